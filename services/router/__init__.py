@@ -1,0 +1,1 @@
+"""The router: Tollgate's OpenAI-compatible HTTP edge."""

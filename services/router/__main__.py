@@ -1,0 +1,44 @@
+"""``python -m services.router``: run the OpenAI-compatible edge."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import uvloop
+
+from aiohttp import web
+
+from services.router.app import create_app
+from services.router.settings import RouterSettings
+from tollgate.catalog import load_catalog
+from tollgate.logs import setup_logging
+from tollgate.settings import CommonSettings
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tollgate router", description=__doc__)
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    ns = parser.parse_args(argv)
+    overrides = {k: v for k, v in (("host", ns.host), ("port", ns.port)) if v is not None}
+    settings = RouterSettings(**overrides)  # type: ignore[arg-type]
+    common = CommonSettings()
+    setup_logging("router", common.log_level)
+    app = create_app(settings, common, load_catalog(common.catalog))
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    # aiohttp's run_app stops taking connections on SIGTERM/SIGINT and waits
+    # for in-flight requests (shutdown_timeout) before the cleanup contexts
+    # drain NATS.
+    web.run_app(
+        app,
+        host=settings.host,
+        port=settings.port,
+        access_log=None,
+        print=None,
+        shutdown_timeout=settings.request_timeout_s,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Router app factory: settings in, aiohttp application out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from services.router import handlers
+from services.router.appkeys import CATALOG, DISPATCHER, SERVING, SETTINGS, STARTED_AT, WORKERS
+from services.router.dispatch import Dispatcher
+from services.router.errors import (
+    InternalError,
+    MethodNotAllowed,
+    NotFound,
+    TollgateError,
+    error_response,
+)
+from services.router.serving import OpenAIServing
+from services.router.settings import RouterSettings
+from services.router.workers import WorkerView
+from tollgate import bus
+from tollgate.catalog import Catalog
+from tollgate.settings import CommonSettings
+
+log = logging.getLogger("tollgate.router")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as an OpenAI-shaped body; nothing internal leaks."""
+    try:
+        return await handler(request)
+    except TollgateError as exc:
+        return error_response(exc)
+    except web.HTTPNotFound:
+        return error_response(NotFound(f"Unknown path {request.path}."))
+    except web.HTTPMethodNotAllowed:
+        return error_response(
+            MethodNotAllowed(f"Method {request.method} is not allowed for {request.path}.")
+        )
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = TollgateError(exc.reason)
+        error.status = exc.status
+        error.type = "invalid_request_error" if exc.status < 500 else "server_error"
+        return error_response(error)
+    except Exception:
+        log.exception("unhandled error", extra={"path": request.path})
+        return error_response(InternalError("The server had an error processing your request."))
+
+
+def create_app(settings: RouterSettings, common: CommonSettings, catalog: Catalog) -> web.Application:
+    app = web.Application(middlewares=[openai_errors], client_max_size=settings.max_body_bytes)
+    app[SETTINGS] = settings
+    app[CATALOG] = catalog
+    app[STARTED_AT] = int(time.time())
+
+    async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
+        nc = await bus.connect(common.nats_url, name=f"router-{settings.router_id}")
+        workers = WorkerView(settings.heartbeat_misses)
+        await workers.start(nc, common.subjects)
+        dispatcher = Dispatcher(nc, common.subjects, settings.router_id)
+        await dispatcher.start(catalog.models)
+        app[WORKERS] = workers
+        app[DISPATCHER] = dispatcher
+        app[SERVING] = OpenAIServing(catalog, dispatcher, workers, settings)
+        log.info("router ready", extra={"router_id": settings.router_id})
+        yield
+        await bus.close(nc)
+
+    app.cleanup_ctx.append(nats_ctx)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_get("/v1/models", handlers.list_models)
+    app.router.add_get("/v1/models/{model:.+}", handlers.get_model)
+    app.router.add_get("/healthz", handlers.healthz)
+    app.router.add_get("/readyz", handlers.readyz)
+    return app

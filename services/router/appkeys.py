@@ -1,0 +1,18 @@
+"""Typed keys for what the router app holds."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from services.router.dispatch import Dispatcher
+from services.router.serving import OpenAIServing
+from services.router.settings import RouterSettings
+from services.router.workers import WorkerView
+from tollgate.catalog import Catalog
+
+SETTINGS = web.AppKey("settings", RouterSettings)
+CATALOG = web.AppKey("catalog", Catalog)
+SERVING = web.AppKey("serving", OpenAIServing)
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+WORKERS = web.AppKey("workers", WorkerView)
+STARTED_AT = web.AppKey("started_at", int)

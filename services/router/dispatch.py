@@ -1,0 +1,103 @@
+"""Hands requests to workers over NATS and collects their chunks.
+
+One subscription per router receives the chunks of all its requests on
+``<prefix>.reply.<router-id>.<request-id>``; each chunk goes to its call's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.errors import NoStreamResponseError
+
+from tollgate import codec
+from tollgate.bus import ensure_infer_stream
+from tollgate.contracts import CancelRequest, InferenceRequest, ResponseChunk
+from tollgate.subjects import Subjects
+
+log = logging.getLogger("tollgate.router.dispatch")
+
+
+class Call:
+    """One request in flight: its chunks arrive on ``queue`` in order."""
+
+    __slots__ = ("cancelled", "queue", "request", "worker_id")
+
+    def __init__(self, request: InferenceRequest) -> None:
+        self.request = request
+        self.queue: asyncio.Queue[ResponseChunk] = asyncio.Queue()
+        self.worker_id: str | None = None
+        self.cancelled = False
+
+
+class Dispatcher:
+    def __init__(self, nc: NATS, subjects: Subjects, router_id: str) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.subjects = subjects
+        self.router_id = router_id
+        self._calls: dict[str, Call] = {}
+
+    async def start(self, model_ids: Iterable[str]) -> None:
+        self._models = list(model_ids)
+        await self.ensure_streams()
+        await self.nc.subscribe(f"{self.subjects.reply_prefix(self.router_id)}.*", cb=self._on_chunk)
+
+    async def ensure_streams(self) -> None:
+        for model_id in self._models:
+            await ensure_infer_stream(self.js, self.subjects, model_id)
+
+    def reply_subject(self, request_id: str) -> str:
+        return self.subjects.reply(self.router_id, request_id)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._calls)
+
+    async def _on_chunk(self, msg: Msg) -> None:
+        request_id = msg.subject.rpartition(".")[2]
+        call = self._calls.get(request_id)
+        if call is None:
+            return  # the call is over (client gone); late chunks are dropped
+        try:
+            chunk = codec.decode(ResponseChunk, msg.data)
+        except Exception:
+            log.error("malformed chunk dropped", extra={"request_id": request_id})
+            return
+        call.queue.put_nowait(chunk)
+
+    async def submit(self, request: InferenceRequest) -> Call:
+        """Register the call, then publish it to the model's work queue."""
+        call = Call(request)
+        self._calls[request.request_id] = call
+        subject = self.subjects.infer(request.model)
+        data = codec.encode(request)
+        headers = {"Nats-Msg-Id": request.request_id, "Tollgate-Request-Id": request.request_id}
+        try:
+            try:
+                await self.js.publish(subject, data, headers=headers, timeout=5)
+            except NoStreamResponseError:
+                # The in-memory stream is gone (NATS restarted): recreate it once.
+                await ensure_infer_stream(self.js, self.subjects, request.model)
+                await self.js.publish(subject, data, headers=headers, timeout=5)
+        except BaseException:
+            self._calls.pop(request.request_id, None)
+            raise
+        return call
+
+    async def cancel(self, call: Call, reason: str) -> None:
+        if call.cancelled:
+            return
+        call.cancelled = True
+        cancel = CancelRequest(request_id=call.request.request_id, reason=reason)
+        try:
+            await self.nc.publish(self.subjects.cancel(call.request.request_id), codec.encode(cancel))
+        except Exception as exc:
+            log.warning("cancel not sent: %s", type(exc).__name__)
+
+    def finish(self, call: Call) -> None:
+        self._calls.pop(call.request.request_id, None)

@@ -1,0 +1,129 @@
+"""One error hierarchy for the edge and one function that renders it.
+
+Every error a client sees is OpenAI-shaped:
+``{"error": {"message", "type", "param", "code"}}`` with the right status.
+Nothing internal (tracebacks, reprs) is ever rendered.
+"""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+
+class TollgateError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(TollgateError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ModelNotFound(TollgateError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"The model `{model}` does not exist or you do not have access to it.",
+            param="model",
+        )
+
+
+class NotFound(TollgateError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(TollgateError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(TollgateError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class UnsupportedMediaType(TollgateError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class ServiceUnavailable(TollgateError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_capacity"
+
+
+class WorkerLost(TollgateError):
+    status = 502
+    type = "server_error"
+    code = "worker_lost"
+
+
+class DeadlineExceeded(TollgateError):
+    status = 504
+    type = "timeout"
+    code = "deadline_exceeded"
+
+
+class InternalError(TollgateError):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
+def error_body(exc: BaseException) -> tuple[int, bytes, dict[str, str]]:
+    """Status, JSON body and headers for any exception."""
+    if not isinstance(exc, TollgateError):
+        exc = InternalError("The server had an error while processing your request.")
+    return exc.status, orjson.dumps(exc.body()), exc.headers
+
+
+def error_response(exc: BaseException, request_id: str | None = None) -> web.Response:
+    status, body, headers = error_body(exc)
+    if request_id:
+        headers = {**headers, "x-request-id": request_id}
+    return web.Response(
+        status=status, body=body, content_type="application/json", headers=headers
+    )
+
+
+def sse_error_event(exc: BaseException) -> bytes:
+    """The same error as an SSE event, for a stream whose headers are sent."""
+    _, body, _ = error_body(exc)
+    return b"data: " + body + b"\n\n"

@@ -1,0 +1,207 @@
+"""HTTP handlers: a few lines each, JSON or SSE. The logic is in serving.py."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from services.router.appkeys import CATALOG, DISPATCHER, SERVING, SETTINGS, STARTED_AT
+from services.router.dispatch import Call
+from services.router.errors import (
+    ModelNotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    TollgateError,
+    UnsupportedMediaType,
+    error_response,
+    sse_error_event,
+)
+from services.router.serving import KEEPALIVE, OpenAIServing, Prepared
+from tollgate.catalog import ModelEntry
+from tollgate.contracts import ChunkKind, Endpoint, ResponseChunk
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DONE = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client closed the connection."""
+
+
+async def _read_body(request: web.Request) -> bytes:
+    if request.content_type != "application/json":
+        raise UnsupportedMediaType(
+            "Content-Type must be application/json, "
+            f"not {request.content_type or 'missing'!r}."
+        )
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[SETTINGS].max_body_bytes
+        raise PayloadTooLarge(f"The request body is larger than {limit} bytes.") from None
+
+
+def _closing(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _relay(request, Endpoint.CHAT)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _relay(request, Endpoint.COMPLETIONS)
+
+
+async def _relay(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    serving = request.app[SERVING]
+    request_id = uuid.uuid4().hex
+    try:
+        prepared = serving.parse(endpoint, await _read_body(request))
+        call = await serving.submit(prepared, request_id)
+    except TollgateError as exc:
+        return error_response(exc, request_id)
+    if prepared.stream:
+        return await _stream(request, serving, prepared, call)
+    return await _full(request, serving, prepared, call)
+
+
+async def _full(
+    request: web.Request, serving: OpenAIServing, prepared: Prepared, call: Call
+) -> web.StreamResponse:
+    request_id = call.request.request_id
+    status, body, end = 200, b"", None
+    try:
+        async for item in serving.events(call, prepared):
+            if item is KEEPALIVE:
+                if _closing(request):
+                    raise ClientGone
+                continue
+            assert isinstance(item, ResponseChunk)
+            if item.kind is ChunkKind.END:
+                end = item
+            elif item.data is not None:
+                body, status = item.data.encode(), item.status or 200
+    except TollgateError as exc:
+        await serving.cancel(call, exc.code or "error")
+        serving.finish(call, None, exc.status)
+        return error_response(exc, request_id)
+    except (ClientGone, asyncio.CancelledError):
+        await serving.cancel(call, "client_disconnected")
+        serving.finish(call, None, 499)
+        raise
+    serving.finish(call, end, status)
+    return web.Response(
+        status=status, body=body, content_type="application/json",
+        headers={"x-request-id": request_id},
+    )
+
+
+async def _stream(
+    request: web.Request, serving: OpenAIServing, prepared: Prepared, call: Call
+) -> web.StreamResponse:
+    request_id = call.request.request_id
+    response: web.StreamResponse | None = None
+    status, end = 200, None
+
+    async def open_stream() -> web.StreamResponse:
+        stream = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": request_id})
+        stream.content_type = "text/event-stream"
+        await stream.prepare(request)
+        return stream
+
+    try:
+        async for item in serving.events(call, prepared):
+            if item is KEEPALIVE:
+                if _closing(request):
+                    raise ClientGone
+                if response is None:
+                    response = await open_stream()
+                # An SSE comment: clients ignore it, proxies see a live connection.
+                await response.write(b": waiting\n\n" if call.worker_id is None else b": \n\n")
+                continue
+            assert isinstance(item, ResponseChunk)
+            if item.kind is ChunkKind.END:
+                end = item
+                break
+            if item.kind is ChunkKind.ERROR and response is None:
+                # The error came before any output: send it with its own status,
+                # as vllm serve does.
+                status = item.status or 500
+                serving.finish(call, None, status)
+                body = (item.data or "").encode()
+                return web.Response(
+                    status=status, body=body, content_type="application/json",
+                    headers={"x-request-id": request_id},
+                )
+            if response is None:
+                response = await open_stream()
+            data = item.data or ""
+            if item.kind is ChunkKind.ERROR:
+                # The engine failed mid-stream: end the stream as vLLM does.
+                data = f"data: {data}\n\ndata: [DONE]\n\n"
+            await response.write(data.encode())
+    except TollgateError as exc:
+        await serving.cancel(call, exc.code or "error")
+        serving.finish(call, None, exc.status)
+        if response is None:
+            return error_response(exc, request_id)
+        try:
+            await response.write(sse_error_event(exc) + _DONE)
+        except ConnectionResetError:
+            pass
+        return response
+    except (ClientGone, ConnectionResetError, asyncio.CancelledError):
+        await serving.cancel(call, "client_disconnected")
+        serving.finish(call, None, 499)
+        if response is None:
+            raise
+        return response
+    serving.finish(call, end, status)
+    assert response is not None
+    await response.write_eof()
+    return response
+
+
+def _model_card(entry: ModelEntry, created: int) -> dict[str, Any]:
+    return {
+        "id": entry.id,
+        "object": "model",
+        "created": created,
+        "owned_by": "tollgate",
+        "max_model_len": entry.max_model_len,
+        "aliases": entry.aliases,
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    created = request.app[STARTED_AT]
+    data = [_model_card(e, created) for e in request.app[CATALOG].models.values()]
+    return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+
+async def get_model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    entry = request.app[CATALOG].resolve(name)
+    if entry is None:
+        return error_response(ModelNotFound(name))
+    return web.json_response(_model_card(entry, request.app[STARTED_AT]), dumps=_dumps)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    nc = request.app[DISPATCHER].nc
+    if not nc.is_connected:
+        return error_response(ServiceUnavailable("Not connected to NATS."))
+    return web.json_response({"status": "ready"})
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value).decode()

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import uuid
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOLLGATE_ROUTER_", extra="ignore")
+
+    host: str = Field(default="127.0.0.1", description="Listen address.")
+    port: int = Field(default=8080, description="Listen port.")
+    router_id: str = Field(
+        default_factory=lambda: uuid.uuid4().hex[:12], description="Unique id of this replica."
+    )
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, description="Largest request body.")
+    queue_timeout_s: float = Field(
+        default=60.0, gt=0, description="How long a request may wait for a worker (then 503)."
+    )
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="Deadline for a whole request (then 504)."
+    )
+    keepalive_interval_s: float = Field(
+        default=5.0, gt=0, description="SSE comment period while a request waits in the queue."
+    )
+    first_byte_wait_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="How long a stream waits for its worker before sending 200 and keep-alives.",
+    )
+    heartbeat_misses: int = Field(
+        default=3, ge=1, description="Missed worker heartbeats before a worker counts as lost."
+    )
+    retry_after_s: int = Field(default=5, ge=1, description="Retry-After on 503.")

@@ -1,0 +1,1 @@
+"""The worker: runs one model and serves the requests in its work-queue stream."""

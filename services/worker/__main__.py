@@ -1,0 +1,26 @@
+"""``python -m services.worker [--model ID]``: run one worker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.worker.app import run_worker
+from services.worker.settings import WorkerSettings
+from tollgate.logs import setup_logging
+from tollgate.settings import CommonSettings
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tollgate worker", description=__doc__)
+    parser.add_argument("--model", help="catalog model id (default: TOLLGATE_WORKER_MODEL)")
+    ns = parser.parse_args(argv)
+    settings = WorkerSettings(**({"model": ns.model} if ns.model else {}))
+    common = CommonSettings()
+    setup_logging("worker", common.log_level)
+    asyncio.run(run_worker(settings, common))
+
+
+# vLLM starts its engine in child processes: the entry point must be guarded.
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Worker factory: settings in, a running worker out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+from services.worker.consumer import WorkerConsumer
+from services.worker.engine import Engine
+from services.worker.settings import WorkerSettings
+from tollgate import bus
+from tollgate.catalog import ModelEntry, load_catalog
+from tollgate.modelprep import prepare_model
+from tollgate.settings import CommonSettings
+
+log = logging.getLogger("tollgate.worker")
+
+
+def create_engine(entry: ModelEntry, common: CommonSettings) -> Engine:
+    model_path = prepare_model(entry, common.model_cache_dir)
+    if entry.engine == "simulated":
+        from services.worker.simulated import SimulatedEngine
+
+        return SimulatedEngine(entry, model_path)
+    from services.worker.vllm_engine import VllmEngine
+
+    return VllmEngine(entry, model_path)
+
+
+async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
+    """Serve one model until SIGTERM/SIGINT or a drain request, then drain."""
+    entry = load_catalog(common.catalog).get(settings.model)
+    nc = await bus.connect(common.nats_url, name=f"worker-{settings.worker_id}")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    started = time.monotonic()
+    engine = create_engine(entry, common)
+    consumer = WorkerConsumer(nc, engine, settings, common.subjects, entry.id)
+    await consumer.announce()
+    try:
+        await engine.start()
+        log.info(
+            "engine ready",
+            extra={"model": entry.id, "engine": engine.name,
+                   "seconds": round(time.monotonic() - started, 2)},
+        )
+        await consumer.start()
+        stopped = asyncio.create_task(consumer.stopped.wait())
+        signalled = asyncio.create_task(stop.wait())
+        await asyncio.wait([stopped, signalled], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        signalled.cancel()
+        await consumer.drain()
+    finally:
+        await engine.stop()
+        await bus.close(nc)
+        log.info("worker stopped")

@@ -1,0 +1,293 @@
+"""The NATS side of a worker.
+
+It pulls requests from its model's work-queue stream only while it has free
+slots, runs each in the engine, sends the output as ordered chunks to the
+request's reply subject, aborts on cancel, and heartbeats its load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from services.worker.engine import (
+    Engine,
+    ErrorResult,
+    FullResult,
+    StreamResult,
+    TokenTally,
+    current_tally,
+)
+from services.worker.settings import WorkerSettings
+from tollgate import codec
+from tollgate.bus import ensure_infer_stream
+from tollgate.contracts import (
+    CancelRequest,
+    ChunkKind,
+    InferenceRequest,
+    Outcome,
+    ResponseChunk,
+    Usage,
+    WorkerHeartbeat,
+    WorkerState,
+)
+from tollgate.logs import request_id_var
+from tollgate.subjects import Subjects
+
+log = logging.getLogger("tollgate.worker")
+
+
+class _Reply:
+    """Publishes one request's chunks in order."""
+
+    def __init__(self, nc: NATS, request: InferenceRequest) -> None:
+        self.nc = nc
+        self.request = request
+        self.seq = 0
+
+    async def send(self, kind: ChunkKind, **fields: object) -> None:
+        chunk = ResponseChunk(
+            request_id=self.request.request_id, seq=self.seq, kind=kind, **fields  # type: ignore[arg-type]
+        )
+        self.seq += 1
+        await self.nc.publish(self.request.reply_to, codec.encode(chunk))
+
+
+class WorkerConsumer:
+    def __init__(
+        self,
+        nc: NATS,
+        engine: Engine,
+        settings: WorkerSettings,
+        subjects: Subjects,
+        model_id: str,
+    ) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.engine = engine
+        self.settings = settings
+        self.subjects = subjects
+        self.model_id = model_id
+        self.state = WorkerState.STARTING
+        self.inflight: dict[str, asyncio.Task[None]] = {}
+        self._slot_freed = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def worker_id(self) -> str:
+        return self.settings.worker_id
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def announce(self) -> None:
+        """Start heartbeats (state ``starting``) while the engine loads."""
+        await self.nc.subscribe(self.subjects.drain(self.worker_id), cb=self._on_drain)
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        await self._send_heartbeat()
+
+    async def start(self) -> None:
+        """Subscribe to cancels and start the pull loop: the worker is ready."""
+        await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel)
+        await ensure_infer_stream(self.js, self.subjects, self.model_id)
+        self.state = WorkerState.READY
+        await self._send_heartbeat()
+        self._tasks.append(asyncio.create_task(self._pull_loop(), name="pull"))
+        log.info("worker ready", extra={"worker_id": self.worker_id, "model": self.model_id})
+
+    async def drain(self) -> None:
+        """Stop fetching, let in-flight requests finish (bounded), then stop beating."""
+        if self.state is WorkerState.DRAINING:
+            return
+        self.state = WorkerState.DRAINING
+        self._stopping.set()
+        await self._send_heartbeat()
+        log.info("draining", extra={"inflight": len(self.inflight)})
+        if self.inflight:
+            _, pending = await asyncio.wait(
+                list(self.inflight.values()), timeout=self.settings.drain_timeout_s
+            )
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=5)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.state = WorkerState.STOPPED
+        await self._send_heartbeat()
+
+    @property
+    def stopped(self) -> asyncio.Event:
+        return self._stopping
+
+    # -- heartbeats --------------------------------------------------------
+
+    async def _send_heartbeat(self) -> None:
+        stats = self.engine.stats()
+        beat = WorkerHeartbeat(
+            worker_id=self.worker_id,
+            model=self.model_id,
+            engine=self.engine.name,
+            state=self.state,
+            slots_used=len(self.inflight),
+            slots_total=self.engine.slots_total,
+            queue=stats.waiting,
+            kv_cache_usage=stats.kv_cache_usage,
+            interval_s=self.settings.heartbeat_interval_s,
+            sent_at=time.time(),
+        )
+        with contextlib.suppress(Exception):  # a beat lost to a reconnect is not fatal
+            await self.nc.publish(self.subjects.heartbeat(self.model_id), codec.encode(beat))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            await self._send_heartbeat()
+
+    # -- control -----------------------------------------------------------
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = codec.decode(CancelRequest, msg.data)
+        except Exception:
+            log.warning("malformed cancel message ignored")
+            return
+        task = self.inflight.get(cancel.request_id)
+        if task is not None:
+            log.info("cancel", extra={"request_id": cancel.request_id, "reason": cancel.reason})
+            task.cancel()
+
+    async def _on_drain(self, msg: Msg) -> None:
+        log.info("drain requested over NATS")
+        self._stopping.set()
+
+    # -- the pull loop -----------------------------------------------------
+
+    async def _pull_loop(self) -> None:
+        config = ConsumerConfig(
+            durable_name=self.subjects.infer_consumer(self.model_id),
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.settings.ack_wait_s,
+            max_ack_pending=-1,
+        )
+        sub = await self.js.pull_subscribe(
+            self.subjects.infer(self.model_id),
+            durable=config.durable_name,
+            stream=self.subjects.infer_stream(self.model_id),
+            config=config,
+        )
+        while not self._stopping.is_set():
+            if len(self.inflight) >= self.engine.slots_total:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            try:
+                # One message per fetch: nats.py's fetch(batch=N) waits for the
+                # whole batch (or its timeout) once one message has arrived.
+                msgs = await sub.fetch(1, timeout=1.0)
+            except (TimeoutError, NatsTimeoutError):
+                continue
+            except Exception as exc:  # NATS reconnecting: try again shortly
+                log.warning("fetch failed: %s", type(exc).__name__)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                await self._accept(msg)
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+    async def _accept(self, msg: Msg) -> None:
+        try:
+            request = codec.decode(InferenceRequest, msg.data)
+        except Exception:
+            log.error("malformed inference request dropped")
+            await msg.term()
+            return
+        await msg.ack()
+        if time.time() > request.start_by:
+            log.info("expired before start", extra={"request_id": request.request_id})
+            await _Reply(self.nc, request).send(
+                ChunkKind.END, outcome=Outcome.EXPIRED, usage=Usage()
+            )
+            return
+        task = asyncio.create_task(self._serve(request), name=request.request_id)
+        self.inflight[request.request_id] = task
+        task.add_done_callback(lambda _: self._release(request.request_id))
+
+    def _release(self, request_id: str) -> None:
+        self.inflight.pop(request_id, None)
+        self._slot_freed.set()
+
+    # -- one request -------------------------------------------------------
+
+    async def _serve(self, request: InferenceRequest) -> None:
+        request_id_var.set(request.request_id)
+        tally = TokenTally()
+        current_tally.set(tally)
+        reply = _Reply(self.nc, request)
+        await reply.send(ChunkKind.START, worker_id=self.worker_id)
+        started = time.monotonic()
+        outcome = Outcome.COMPLETED
+        usage: Usage | None = None
+        finish: str | None = None
+        try:
+            timeout = max(0.0, request.deadline - time.time())
+            async with asyncio.timeout(timeout):
+                result = await self.engine.run(request.endpoint, request.body, request.request_id)
+                if isinstance(result, ErrorResult):
+                    outcome = Outcome.ERROR
+                    await reply.send(ChunkKind.ERROR, data=result.body, status=result.status)
+                elif isinstance(result, FullResult):
+                    usage, finish = result.usage, result.finish_reason
+                    await reply.send(ChunkKind.DATA, data=result.body)
+                else:
+                    await self._relay_stream(reply, result)
+                    usage, finish = result.usage, result.finish_reason
+        except (asyncio.CancelledError, TimeoutError):
+            outcome = Outcome.CANCELLED
+        except Exception:
+            log.exception("engine failure")
+            outcome = Outcome.ERROR
+            body = codec.dumps(
+                {
+                    "error": {
+                        "message": "The engine failed while serving the request.",
+                        "type": "InternalServerError",
+                        "param": None,
+                        "code": 500,
+                    }
+                }
+            ).decode()
+            await reply.send(ChunkKind.ERROR, data=body, status=500)
+        if usage is None:
+            usage = tally.usage()
+        await reply.send(ChunkKind.END, usage=usage, outcome=outcome, finish_reason=finish)
+        log.info(
+            "request done",
+            extra={
+                "outcome": outcome.value,
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "seconds": round(time.monotonic() - started, 4),
+            },
+        )
+
+    async def _relay_stream(self, reply: _Reply, result: StreamResult) -> None:
+        events = result.events
+        try:
+            async for event in events:
+                kind = ChunkKind.USAGE if event.is_usage else ChunkKind.DATA
+                await reply.send(kind, data=event.text)
+        finally:
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                await aclose()

@@ -1,0 +1,94 @@
+"""What the NATS side of a worker needs from an engine.
+
+Two engines implement :class:`Engine`: :mod:`.vllm_engine` (vLLM with its own
+OpenAI serving layer) and :mod:`.simulated` (a test double with the same
+shape of output, for fast tests and gateway benchmarks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tollgate.contracts import Endpoint, Usage
+
+
+@dataclass
+class TokenTally:
+    """Tokens an engine request has seen so far.
+
+    Used when a request is cancelled mid-way: the serving layer then never
+    yields its usage, and billing needs what the engine did generate.
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
+
+
+# The tally of the request the current task is serving.
+current_tally: ContextVar[TokenTally | None] = ContextVar("tollgate_tally", default=None)
+
+
+@dataclass
+class StreamEvent:
+    """One SSE event (``data: ...\\n\\n``) from the serving layer."""
+
+    text: str
+    is_usage: bool = False
+
+
+@dataclass
+class StreamResult:
+    """A streaming response; ``usage``/``finish_reason`` are final once ``events`` ends."""
+
+    events: AsyncIterator[StreamEvent]
+    usage: Usage | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class FullResult:
+    """A complete JSON response body."""
+
+    body: str
+    usage: Usage
+    finish_reason: str | None = None
+
+
+@dataclass
+class ErrorResult:
+    """An OpenAI-shaped error body with its HTTP status."""
+
+    body: str
+    status: int
+
+
+EngineResult = StreamResult | FullResult | ErrorResult
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    name: str
+    slots_total: int
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def run(self, endpoint: Endpoint, body: dict[str, Any], request_id: str) -> EngineResult:
+        """Start one request; a StreamResult must be iterated to completion or closed."""
+        ...
+
+    def stats(self) -> EngineStats: ...

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOLLGATE_WORKER_", extra="ignore")
+
+    model: str = Field(default="SmolLM2-135M-Instruct", description="Catalog id to serve.")
+    worker_id: str = Field(default_factory=_default_worker_id, description="Unique worker id.")
+    heartbeat_interval_s: float = Field(default=1.0, gt=0, description="Heartbeat period.")
+    drain_timeout_s: float = Field(
+        default=120.0, gt=0, description="How long SIGTERM waits for in-flight requests."
+    )
+    ack_wait_s: float = Field(
+        default=30.0, gt=0, description="Redelivery delay for a request fetched but not started."
+    )

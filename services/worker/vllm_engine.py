@@ -1,0 +1,205 @@
+"""vLLM engine: ``AsyncLLM`` in-process behind vLLM's own OpenAI serving layer.
+
+The serving objects are built by vLLM's ``init_app_state`` exactly as ``vllm
+serve`` builds them, and are called without HTTP. So responses, parameters,
+chat templates and error bodies are what ``vllm serve`` would give.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from services.worker.engine import (
+    EngineResult,
+    EngineStats,
+    ErrorResult,
+    FullResult,
+    StreamEvent,
+    StreamResult,
+    current_tally,
+)
+from tollgate.catalog import ModelEntry
+from tollgate.contracts import Endpoint, Usage
+
+log = logging.getLogger("tollgate.worker.vllm")
+
+# The final usage event of a stream (chat and completions both render it so).
+_USAGE_MARK = '"choices":[],"usage":'
+_FINISH_MARK = '"finish_reason":"'
+
+
+def build_engine_argv(entry: ModelEntry, model_path: Path) -> list[str]:
+    """Command-line arguments for vLLM's own parser, as ``vllm serve`` takes them."""
+    return [
+        "--model",
+        str(model_path),
+        "--served-model-name",
+        *entry.names,
+        "--max-model-len",
+        str(entry.max_model_len),
+        *entry.engine_args,
+    ]
+
+
+class TallyingEngineClient:
+    """Pass-through to vLLM's engine client that counts tokens per request.
+
+    The counts go to the ``current_tally`` of the task that iterates the
+    generator, so a cancelled request can still be billed for what the engine
+    generated before it stopped.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def generate(self, prompt: Any, sampling_params: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm.sampling_params import RequestOutputKind
+
+        tally = current_tally.get()
+        delta = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
+        async for output in self._inner.generate(prompt, sampling_params, *args, **kwargs):
+            if tally is not None:
+                if output.prompt_token_ids is not None:
+                    tally.prompt_tokens = len(output.prompt_token_ids)
+                generated = sum(len(o.token_ids) for o in output.outputs)
+                if delta:
+                    tally.completion_tokens += generated
+                else:
+                    tally.completion_tokens = generated
+            yield output
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, entry: ModelEntry, model_path: Path) -> None:
+        self.entry = entry
+        self.model_path = model_path
+        self.slots_total = 0
+        self._stack = contextlib.AsyncExitStack()
+        self._client: Any = None
+        self._handlers: dict[Endpoint, tuple[Any, Any]] = {}
+
+    async def start(self) -> None:
+        from starlette.datastructures import State
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.entry import (
+            build_async_engine_client_from_engine_args,
+        )
+        from vllm.entrypoints.launchers.cli_args import (
+            make_arg_parser,
+            validate_parsed_serve_args,
+        )
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = make_arg_parser(FlexibleArgumentParser())
+        args = parser.parse_args(build_engine_argv(self.entry, self.model_path))
+        validate_parsed_serve_args(args)
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        client = await self._stack.enter_async_context(
+            build_async_engine_client_from_engine_args(engine_args)
+        )
+        self._client = client
+        self.slots_total = int(client.vllm_config.scheduler_config.max_num_seqs)
+        state = State()
+        tasks = await client.get_supported_tasks()
+        await init_app_state(TallyingEngineClient(client), state, args, tasks)
+        # Dispatch table: endpoint -> (request model, serving method). Embeddings,
+        # responses and messages plug in here the same way.
+        self._handlers = {
+            Endpoint.CHAT: (ChatCompletionRequest, state.openai_serving_chat.create_chat_completion),
+            Endpoint.COMPLETIONS: (
+                CompletionRequest,
+                state.openai_serving_completion.create_completion,
+            ),
+        }
+
+    async def stop(self) -> None:
+        await self._stack.aclose()
+
+    def stats(self) -> EngineStats:
+        if self._client is None:
+            return EngineStats()
+        unfinished = self._client.output_processor.get_num_unfinished_requests()
+        return EngineStats(running=unfinished)
+
+    async def run(self, endpoint: Endpoint, body: dict[str, Any], request_id: str) -> EngineResult:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response,
+        )
+
+        handler = self._handlers.get(endpoint)
+        if handler is None:
+            err = create_error_response(
+                f"{endpoint.value} is not served by this worker", err_type="NotFoundError",
+                status_code=404,  # type: ignore[arg-type]
+            )
+            return ErrorResult(err.model_dump_json(), err.error.code)
+        request_model, serve = handler
+        body = dict(body)
+        # Our id becomes vLLM's (chatcmpl-<id>), so logs on both sides match.
+        body["request_id"] = request_id
+        if body.get("stream"):
+            # Always ask for the usage event: billing needs the engine's counts.
+            # The router drops it again when the client did not ask for it.
+            options = dict(body.get("stream_options") or {})
+            options["include_usage"] = True
+            body["stream_options"] = options
+        try:
+            request = request_model.model_validate(body)
+            result = await serve(request, None)
+        except Exception as exc:  # vllm serve's exception handlers do the same
+            err = create_error_response(exc)
+            return ErrorResult(err.model_dump_json(), err.error.code)
+        if isinstance(result, ErrorResponse):
+            return ErrorResult(result.model_dump_json(), result.error.code)
+        if hasattr(result, "__aiter__"):
+            stream = StreamResult(events=_empty())
+            stream.events = _relay(result, stream)
+            return stream
+        usage = Usage(
+            prompt_tokens=result.usage.prompt_tokens,
+            completion_tokens=result.usage.completion_tokens or 0,
+        )
+        finish = result.choices[0].finish_reason if result.choices else None
+        return FullResult(result.model_dump_json(), usage, finish)
+
+
+async def _empty() -> AsyncIterator[StreamEvent]:
+    return
+    yield  # pragma: no cover
+
+
+async def _relay(
+    source: AsyncGenerator[str, None], result: StreamResult
+) -> AsyncIterator[StreamEvent]:
+    """Tag the usage event and note the finish reason, without parsing every event."""
+    try:
+        async for text in source:
+            if _USAGE_MARK in text:
+                usage = orjson.loads(text[len("data: ") :])["usage"]
+                result.usage = Usage(
+                    prompt_tokens=usage.get("prompt_tokens", 0),
+                    completion_tokens=usage.get("completion_tokens") or 0,
+                )
+                yield StreamEvent(text, is_usage=True)
+                continue
+            if _FINISH_MARK in text:
+                start = text.index(_FINISH_MARK) + len(_FINISH_MARK)
+                result.finish_reason = text[start : text.index('"', start)]
+            yield StreamEvent(text)
+    finally:
+        await source.aclose()

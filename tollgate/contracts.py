@@ -1,0 +1,118 @@
+"""Wire contracts: every message body on the bus, versioned.
+
+Each contract carries a ``type`` id such as ``tg.infer.v1``. A field is added,
+never repurposed; a breaking change is a new version with a new type id.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Contract(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=False)
+
+
+class Endpoint(StrEnum):
+    """OpenAI-compatible operations a worker can serve."""
+
+    CHAT = "chat.completions"
+    COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
+    RESPONSES = "responses"
+    MESSAGES = "messages"
+
+
+class InferenceRequest(_Contract):
+    """A call waiting in a model's work-queue stream for a worker."""
+
+    type: Literal["tg.infer.v1"] = Field(default="tg.infer.v1", description="Contract type id.")
+    request_id: str = Field(description="Tollgate request id; also the client's x-request-id.")
+    model: str = Field(description="Canonical model id from the catalog.")
+    endpoint: Endpoint = Field(description="Which OpenAI operation to run.")
+    body: dict[str, Any] = Field(description="The client's JSON body, passed to the serving layer.")
+    reply_to: str = Field(description="Core NATS subject where the worker sends response chunks.")
+    enqueued_at: float = Field(description="Unix time the router published the request.")
+    start_by: float = Field(
+        description="Unix time after which no worker may start it (the router gave up)."
+    )
+    deadline: float = Field(description="Unix time by which the whole request must be finished.")
+
+
+class ChunkKind(StrEnum):
+    START = "start"  # a worker took the request; carries worker_id
+    DATA = "data"  # serving-layer output, relayed untouched
+    USAGE = "usage"  # the stream's usage event; relayed only if the client asked
+    END = "end"  # last chunk: usage counts and outcome
+    ERROR = "error"  # an error response from the serving layer, with status
+
+
+class Usage(_Contract):
+    prompt_tokens: int = Field(default=0, description="Prompt tokens after the chat template.")
+    completion_tokens: int = Field(default=0, description="Tokens the engine generated.")
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Outcome(StrEnum):
+    COMPLETED = "completed"  # the serving layer finished the response
+    CANCELLED = "cancelled"  # the router cancelled (client gone or deadline)
+    EXPIRED = "expired"  # dropped before start: start_by had passed
+    ERROR = "error"  # the serving layer returned an error response
+    DRAINED = "drained"  # never run because the worker was shutting down
+
+
+class ResponseChunk(_Contract):
+    """One ordered piece of a response, sent on the request's reply subject."""
+
+    type: Literal["tg.chunk.v1"] = Field(default="tg.chunk.v1", description="Contract type id.")
+    request_id: str = Field(description="The request this chunk belongs to.")
+    seq: int = Field(description="0-based sequence number; the router checks the order.")
+    kind: ChunkKind = Field(description="What the chunk carries.")
+    data: str | None = Field(
+        default=None,
+        description="Serving-layer output: one SSE event ('data: ...\\n\\n') or a JSON body.",
+    )
+    status: int | None = Field(default=None, description="HTTP status for ERROR chunks.")
+    worker_id: str | None = Field(default=None, description="Set on START: who runs it.")
+    usage: Usage | None = Field(default=None, description="Set on END: the engine's counts.")
+    outcome: Outcome | None = Field(default=None, description="Set on END: how it ended.")
+    finish_reason: str | None = Field(
+        default=None, description="Set on END when known: stop, length, ..."
+    )
+
+
+class CancelRequest(_Contract):
+    type: Literal["tg.cancel.v1"] = Field(default="tg.cancel.v1", description="Contract type id.")
+    request_id: str = Field(description="The request to abort.")
+    reason: str = Field(default="client_disconnected", description="Why it is cancelled.")
+
+
+class WorkerState(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class WorkerHeartbeat(_Contract):
+    """A worker's load, published every ``interval_s`` on its model's subject."""
+
+    type: Literal["tg.heartbeat.v1"] = Field(
+        default="tg.heartbeat.v1", description="Contract type id."
+    )
+    worker_id: str = Field(description="Unique id of the worker process.")
+    model: str = Field(description="Canonical model id it serves.")
+    engine: str = Field(description="'vllm' or 'simulated'.")
+    state: WorkerState = Field(description="Lifecycle state.")
+    slots_used: int = Field(description="Requests it is running now.")
+    slots_total: int = Field(description="Requests it runs at most at once (max_num_seqs).")
+    queue: int = Field(default=0, description="Requests waiting inside its engine.")
+    kv_cache_usage: float | None = Field(default=None, description="KV cache use, 0..1.")
+    interval_s: float = Field(description="Seconds until the next heartbeat.")
+    sent_at: float = Field(description="Unix time it was sent.")

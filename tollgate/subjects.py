@@ -1,0 +1,94 @@
+"""Subject and stream names on the bus.
+
+Model ids such as ``HuggingFaceTB/SmolLM2-135M-Instruct`` are not valid NATS
+subject tokens or JetStream stream names (``.`` splits tokens; ``/``, ``*``,
+``>`` and whitespace are not allowed). :func:`model_token` is the one function
+that turns a model id into a token; every subject and stream name for a model
+is built from it.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+# Characters kept as they are. Everything else, ``_`` included, is escaped as
+# ``_XX`` per UTF-8 byte, so the mapping is injective (two different ids never
+# share a token) and reversible.
+_SAFE = frozenset(string.ascii_letters + string.digits + "-")
+
+
+def model_token(model_id: str) -> str:
+    """Return the subject-safe token for ``model_id``.
+
+    The token uses only ``[A-Za-z0-9_-]``, so it is valid as a subject token,
+    a stream name and a consumer name.
+    """
+    if not model_id:
+        raise ValueError("model id must not be empty")
+    out: list[str] = []
+    for ch in model_id:
+        if ch in _SAFE:
+            out.append(ch)
+        else:
+            out.extend(f"_{b:02X}" for b in ch.encode("utf-8"))
+    return "".join(out)
+
+
+def model_id_from_token(token: str) -> str:
+    """Invert :func:`model_token`."""
+    raw = bytearray()
+    i = 0
+    while i < len(token):
+        ch = token[i]
+        if ch == "_":
+            raw.append(int(token[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw.extend(ch.encode("ascii"))
+            i += 1
+    return raw.decode("utf-8")
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """All subject and stream names, under one configurable prefix."""
+
+    prefix: str = "tg"
+
+    def infer(self, model_id: str) -> str:
+        """Work-queue subject where inference requests for a model wait."""
+        return f"{self.prefix}.infer.{model_token(model_id)}"
+
+    def infer_stream(self, model_id: str) -> str:
+        """JetStream stream that holds one model's inference requests."""
+        return f"{self.prefix.upper()}_INFER_{model_token(model_id)}"
+
+    def infer_consumer(self, model_id: str) -> str:
+        """The durable pull consumer that a model's workers share."""
+        return f"workers_{model_token(model_id)}"
+
+    def reply_prefix(self, router_id: str) -> str:
+        """Prefix of the reply subjects of one router instance."""
+        return f"{self.prefix}.reply.{router_id}"
+
+    def reply(self, router_id: str, request_id: str) -> str:
+        return f"{self.reply_prefix(router_id)}.{request_id}"
+
+    def cancel(self, request_id: str) -> str:
+        return f"{self.prefix}.cancel.{request_id}"
+
+    @property
+    def cancel_all(self) -> str:
+        return f"{self.prefix}.cancel.*"
+
+    def heartbeat(self, model_id: str) -> str:
+        return f"{self.prefix}.workers.{model_token(model_id)}"
+
+    @property
+    def heartbeat_all(self) -> str:
+        return f"{self.prefix}.workers.*"
+
+    def drain(self, worker_id: str) -> str:
+        """Control subject that tells one worker to drain and exit."""
+        return f"{self.prefix}.control.drain.{worker_id}"
