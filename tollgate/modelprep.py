@@ -51,8 +51,7 @@ def resolve_source(entry: ModelEntry) -> Path:
         path = Path(uri.path)
     else:
         raise ModelSourceError(
-            f"model {entry.id!r}: source scheme {uri.scheme!r} of {entry.source!r} "
-            "is not supported"
+            f"model {entry.id!r}: source scheme {uri.scheme!r} of {entry.source!r} is not supported"
         )
     if not path.exists():
         raise ModelSourceError(f"model {entry.id!r}: {entry.source!r} does not exist")

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 
 import uvloop
-
 from aiohttp import web
 
 from services.router.app import create_app

@@ -55,7 +55,9 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return error_response(InternalError("The server had an error processing your request."))
 
 
-def create_app(settings: RouterSettings, common: CommonSettings, catalog: Catalog) -> web.Application:
+def create_app(
+    settings: RouterSettings, common: CommonSettings, catalog: Catalog
+) -> web.Application:
     app = web.Application(middlewares=[openai_errors], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app[CATALOG] = catalog

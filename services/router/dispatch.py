@@ -45,7 +45,9 @@ class Dispatcher:
     async def start(self, model_ids: Iterable[str]) -> None:
         self._models = list(model_ids)
         await self.ensure_streams()
-        await self.nc.subscribe(f"{self.subjects.reply_prefix(self.router_id)}.*", cb=self._on_chunk)
+        await self.nc.subscribe(
+            f"{self.subjects.reply_prefix(self.router_id)}.*", cb=self._on_chunk
+        )
 
     async def ensure_streams(self) -> None:
         for model_id in self._models:
@@ -95,7 +97,9 @@ class Dispatcher:
         call.cancelled = True
         cancel = CancelRequest(request_id=call.request.request_id, reason=reason)
         try:
-            await self.nc.publish(self.subjects.cancel(call.request.request_id), codec.encode(cancel))
+            await self.nc.publish(
+                self.subjects.cancel(call.request.request_id), codec.encode(cancel)
+            )
         except Exception as exc:
             log.warning("cancel not sent: %s", type(exc).__name__)
 

@@ -118,9 +118,7 @@ def error_response(exc: BaseException, request_id: str | None = None) -> web.Res
     status, body, headers = error_body(exc)
     if request_id:
         headers = {**headers, "x-request-id": request_id}
-    return web.Response(
-        status=status, body=body, content_type="application/json", headers=headers
-    )
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
 def sse_error_event(exc: BaseException) -> bytes:

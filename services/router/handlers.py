@@ -35,8 +35,7 @@ class ClientGone(Exception):
 async def _read_body(request: web.Request) -> bytes:
     if request.content_type != "application/json":
         raise UnsupportedMediaType(
-            "Content-Type must be application/json, "
-            f"not {request.content_type or 'missing'!r}."
+            f"Content-Type must be application/json, not {request.content_type or 'missing'!r}."
         )
     try:
         return await request.read()
@@ -96,7 +95,9 @@ async def _full(
         raise
     serving.finish(call, end, status)
     return web.Response(
-        status=status, body=body, content_type="application/json",
+        status=status,
+        body=body,
+        content_type="application/json",
         headers={"x-request-id": request_id},
     )
 
@@ -135,7 +136,9 @@ async def _stream(
                 serving.finish(call, None, status)
                 body = (item.data or "").encode()
                 return web.Response(
-                    status=status, body=body, content_type="application/json",
+                    status=status,
+                    body=body,
+                    content_type="application/json",
                     headers={"x-request-id": request_id},
                 )
             if response is None:

@@ -50,11 +50,26 @@ class Prepared:
     wants_usage: bool
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _param_path(loc: tuple[int | str, ...]) -> str:
+    """The client-facing path of a pydantic error location.
+
+    Pydantic adds a tag per union member (``str``, ``list[int]``,
+    ``constrained-str``); a client only knows field names and indexes.
+    """
+    parts = [
+        str(p)
+        for p in loc
+        if isinstance(p, int) or (p not in _TYPE_TAGS and not any(c in p for c in "[-"))
+    ]
+    return ".".join(parts)
+
+
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     error = exc.errors()[0]
-    loc = ".".join(str(p) for p in error["loc"] if not str(p).startswith("function-"))
-    # Keep the path only up to the first model-type marker pydantic adds for unions.
-    loc = loc.split(".str")[0].split(".list")[0].split(".int")[0]
+    loc = _param_path(error["loc"])
     if error["type"] == "missing":
         return f"Missing required parameter: '{loc}'.", loc or None
     return f"Invalid value for '{loc}': {error['msg']}.", loc or None

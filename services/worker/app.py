@@ -45,8 +45,11 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
         await engine.start()
         log.info(
             "engine ready",
-            extra={"model": entry.id, "engine": engine.name,
-                   "seconds": round(time.monotonic() - started, 2)},
+            extra={
+                "model": entry.id,
+                "engine": engine.name,
+                "seconds": round(time.monotonic() - started, 2),
+            },
         )
         await consumer.start()
         stopped = asyncio.create_task(consumer.stopped.wait())

@@ -55,7 +55,10 @@ class _Reply:
 
     async def send(self, kind: ChunkKind, **fields: object) -> None:
         chunk = ResponseChunk(
-            request_id=self.request.request_id, seq=self.seq, kind=kind, **fields  # type: ignore[arg-type]
+            request_id=self.request.request_id,
+            seq=self.seq,
+            kind=kind,
+            **fields,  # type: ignore[arg-type]
         )
         self.seq += 1
         await self.nc.publish(self.request.reply_to, codec.encode(chunk))

