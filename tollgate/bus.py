@@ -35,7 +35,7 @@ async def connect(url: str, name: str) -> NATS:
                 servers=url.split(","),
                 name=name,
                 max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,  # type: ignore[arg-type]
+                reconnect_time_wait=0.5,
                 connect_timeout=2,
                 allow_reconnect=True,
                 error_cb=on_error,

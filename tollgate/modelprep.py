@@ -115,7 +115,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
     )
     # The GGUF quantizer cannot serialise; the de-quantised weights are plain.
-    model.hf_quantizer = None
+    setattr(model, "hf_quantizer", None)  # noqa: B010 - typed as a module by torch
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.mkdir(parents=True)

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int)
     ns = parser.parse_args(argv)
     overrides = {k: v for k, v in (("host", ns.host), ("port", ns.port)) if v is not None}
-    settings = RouterSettings(**overrides)  # type: ignore[arg-type]
+    settings = RouterSettings(**overrides)
     common = CommonSettings()
     setup_logging("router", common.log_level)
     app = create_app(settings, common, load_catalog(common.catalog))

@@ -7,6 +7,7 @@ import asyncio
 
 from services.worker.app import run_worker
 from services.worker.settings import WorkerSettings
+from tollgate.catalog import load_catalog
 from tollgate.logs import setup_logging
 from tollgate.settings import CommonSettings
 
@@ -18,6 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = WorkerSettings(**({"model": ns.model} if ns.model else {}))
     common = CommonSettings()
     setup_logging("worker", common.log_level)
+    if load_catalog(common.catalog).resolve(settings.model) is None:
+        parser.exit(2, f"tollgate worker: model {settings.model!r} is not in the catalog\n")
     asyncio.run(run_worker(settings, common))
 
 

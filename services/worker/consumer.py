@@ -58,7 +58,7 @@ class _Reply:
             request_id=self.request.request_id,
             seq=self.seq,
             kind=kind,
-            **fields,  # type: ignore[arg-type]
+            **fields,
         )
         self.seq += 1
         await self.nc.publish(self.request.reply_to, codec.encode(chunk))
@@ -122,6 +122,11 @@ class WorkerConsumer:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=5)
+        # The pull loop sees _stopping within one fetch timeout and unsubscribes
+        # itself; a pull subscription cancelled mid-fetch would hold up NATS drain.
+        pulls = [t for t in self._tasks if t.get_name() == "pull"]
+        if pulls:
+            await asyncio.wait(pulls, timeout=3)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -191,7 +196,8 @@ class WorkerConsumer:
         while not self._stopping.is_set():
             if len(self.inflight) >= self.engine.slots_total:
                 self._slot_freed.clear()
-                await self._slot_freed.wait()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._slot_freed.wait(), 1.0)
                 continue
             try:
                 # One message per fetch: nats.py's fetch(batch=N) waits for the
@@ -207,6 +213,7 @@ class WorkerConsumer:
                 await self._accept(msg)
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+        log.info("stopped fetching")
 
     async def _accept(self, msg: Msg) -> None:
         try:

@@ -190,7 +190,10 @@ class SimulatedEngine:
             yield event({**meta, "choices": [choice]})
         for index in range(n):
             last: dict[str, Any] = {"index": index, "finish_reason": finish}
-            last.update({"delta": {}} if chat else {"text": ""})
+            if chat:
+                last["delta"] = {}
+            else:
+                last["text"] = ""
             yield event({**meta, "choices": [last]})
         result.finish_reason = finish
         result.usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=n * produced)

@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from pydantic import ValidationError
@@ -107,7 +107,7 @@ class VllmEngine:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        parser = make_arg_parser(FlexibleArgumentParser())
+        parser = make_arg_parser(FlexibleArgumentParser())  # type: ignore[no-untyped-call]
         args = parser.parse_args(build_engine_argv(self.entry, self.model_path))
         validate_parsed_serve_args(args)
         self._args = args
@@ -119,7 +119,7 @@ class VllmEngine:
         self.slots_total = int(client.vllm_config.scheduler_config.max_num_seqs)
         state = State()
         tasks = await client.get_supported_tasks()
-        await init_app_state(TallyingEngineClient(client), state, args, tasks)
+        await init_app_state(cast(Any, TallyingEngineClient(client)), state, args, tasks)
         # Dispatch table: endpoint -> (request model, serving method). Embeddings,
         # responses and messages plug in here the same way.
         self._handlers = {
@@ -148,7 +148,9 @@ class VllmEngine:
         scope = SimpleNamespace(
             app=SimpleNamespace(state=SimpleNamespace(args=self._args)), state=SimpleNamespace()
         )
-        response = await validation_exception_handler(scope, RequestValidationError(errors))
+        response = await validation_exception_handler(
+            cast(Any, scope), RequestValidationError(errors)
+        )
         return ErrorResult(bytes(response.body).decode(), response.status_code)
 
     def stats(self) -> EngineStats:

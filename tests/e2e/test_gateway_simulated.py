@@ -100,7 +100,8 @@ async def test_worker_killed_mid_stream_ends_the_stream_with_an_error(
         )
     assert time.monotonic() - started < 30
     lost = [
-        lines for lines in results
+        lines
+        for lines in results
         if isinstance(lines, list) and any("worker_lost" in ln for ln in lines)
     ]
     assert lost, results

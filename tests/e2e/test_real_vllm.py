@@ -67,8 +67,12 @@ def test_stream_with_usage_counts_every_streamed_token(
     client: openai.OpenAI, tokenizer: object
 ) -> None:
     stream = client.chat.completions.create(
-        model=REAL_MODEL, messages=MESSAGES, max_tokens=20, stream=True,
-        stream_options={"include_usage": True}, logprobs=True,
+        model=REAL_MODEL,
+        messages=MESSAGES,
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+        logprobs=True,
     )
     streamed_tokens, text, usage, finish = 0, "", None, None
     for chunk in stream:
@@ -112,7 +116,12 @@ def test_stop_sequence_cuts_the_output(client: openai.OpenAI) -> None:
 
 def test_n_two_returns_two_choices_and_sums_usage(client: openai.OpenAI) -> None:
     resp = client.chat.completions.create(
-        model=REAL_MODEL, messages=MESSAGES, max_tokens=6, n=2, temperature=1.0, seed=3,
+        model=REAL_MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        n=2,
+        temperature=1.0,
+        seed=3,
         extra_body={"ignore_eos": True},
     )
     assert sorted(c.index for c in resp.choices) == [0, 1]
@@ -133,7 +142,10 @@ def test_completions_stream_and_non_stream(client: openai.OpenAI) -> None:
     assert resp.usage is not None and resp.usage.completion_tokens == 6
     chunks = list(
         client.completions.create(
-            model=REAL_MODEL, prompt="Once upon a time", max_tokens=6, stream=True,
+            model=REAL_MODEL,
+            prompt="Once upon a time",
+            max_tokens=6,
+            stream=True,
             stream_options={"include_usage": True},
         )
     )
@@ -150,7 +162,9 @@ def test_alias_routes_to_the_model(client: openai.OpenAI) -> None:
 def test_engine_validation_errors_pass_through(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
-            model=REAL_MODEL, messages=MESSAGES, max_tokens=4,
+            model=REAL_MODEL,
+            messages=MESSAGES,
+            max_tokens=4,
             extra_body={"temperature": "hot"},
         )
     body = err.value.response.json()
@@ -160,8 +174,12 @@ def test_engine_validation_errors_pass_through(client: openai.OpenAI) -> None:
 async def test_sixteen_concurrent_streams(aclient: openai.AsyncOpenAI) -> None:
     async def one(i: int) -> tuple[int, int]:
         stream = await aclient.chat.completions.create(
-            model=REAL_MODEL, messages=[{"role": "user", "content": f"Count to {i}."}],
-            max_tokens=16, stream=True, stream_options={"include_usage": True}, logprobs=True,
+            model=REAL_MODEL,
+            messages=[{"role": "user", "content": f"Count to {i}."}],
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=True,
         )
         tokens, reported = 0, -1
         async for chunk in stream:
@@ -195,7 +213,9 @@ async def test_client_disconnect_frees_the_slot(router_url: str, stack: Stack) -
     async with HeartbeatWatch(stack.nats.url, Subjects()) as watch:
         async with httpx.AsyncClient(timeout=60) as http:
             body = {
-                "model": REAL_MODEL, "stream": True, "max_tokens": 1500,
+                "model": REAL_MODEL,
+                "stream": True,
+                "max_tokens": 1500,
                 "ignore_eos": True,
                 "messages": [{"role": "user", "content": "Tell me everything."}],
             }
@@ -211,9 +231,7 @@ async def test_client_disconnect_frees_the_slot(router_url: str, stack: Stack) -
             timeout=30,
         )
     worker_log = next(s for s in stack.services if s.name == f"worker-{REAL_MODEL}").log_text()
-    line = next(
-        ln for ln in worker_log.splitlines() if request_id in ln and "request done" in ln
-    )
+    line = next(ln for ln in worker_log.splitlines() if request_id in ln and "request done" in ln)
     assert '"outcome":"cancelled"' in line
     # 1500 tokens were asked for; the worker stopped long before.
     completion = int(line.split('"completion_tokens":')[1].split(",")[0])

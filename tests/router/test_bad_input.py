@@ -22,7 +22,7 @@ def assert_openai_error(r: httpx.Response, status: int, *, param: str | None = N
     assert r.headers["content-type"].startswith("application/json")
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"] and "Traceback" not in r.text and "File \"" not in r.text
+    assert error["message"] and "Traceback" not in r.text and 'File "' not in r.text
     if param is not None:
         assert error["param"] == param
     return error

@@ -17,7 +17,10 @@ from tollgate.contracts import Endpoint
 @pytest.fixture(scope="module")
 async def engine(prepared_model: Path) -> SimulatedEngine:
     entry = ModelEntry(
-        id="sim/unit", source="file:///unused", engine="simulated", max_model_len=256,
+        id="sim/unit",
+        source="file:///unused",
+        engine="simulated",
+        max_model_len=256,
         simulated=SimulatedEngineConfig(tokens_per_s=10_000, ttft_ms=0, natural_tokens=10),
     )
     eng = SimulatedEngine(entry, prepared_model)
