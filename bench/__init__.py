@@ -1,0 +1,1 @@
+"""Tollgate benchmarks: every figure is a ratio against a baseline run in the same session."""

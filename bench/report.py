@@ -1,0 +1,103 @@
+"""Render benchmark results as docs/benchmarks.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b else "n/a"
+
+
+def _inference(r: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Inference: Tollgate vs `vllm serve` (SmolLM2-135M-Instruct, vLLM on the CPU)",
+        "",
+        "Same model folder, same engine arguments (`--max-num-seqs 16 --dtype bfloat16 "
+        "--max-model-len 2048`), same machine, same run. Streaming chat completions of "
+        "exactly 64 tokens (`ignore_eos`), temperature 0. `vllm serve` is vLLM's own "
+        "OpenAI server called directly; Tollgate is router + NATS + worker. The two "
+        "run one after the other, each with its own engine.",
+        "",
+        "| concurrency | metric | vllm serve | Tollgate | Tollgate / vllm | Tollgate − vllm |",
+        "|---|---|---|---|---|---|",
+    ]
+    for level in ("c1", "c16"):
+        v, t = r["vllm"][level], r["tollgate"][level]
+        for key, label in (
+            ("ttft_p50_ms", "TTFT p50 (ms)"),
+            ("ttft_p99_ms", "TTFT p99 (ms)"),
+            ("itl_p50_ms", "inter-token p50 (ms)"),
+            ("itl_p99_ms", "inter-token p99 (ms)"),
+            ("output_tokens_per_s", "output tokens/s"),
+        ):
+            lines.append(
+                f"| {level[1:]} | {label} | {v[key]:.1f} | {t[key]:.1f} | "
+                f"{_ratio(t[key], v[key])} | {t[key] - v[key]:+.1f} |"
+            )
+    lines += [
+        "",
+        f"Engine start to first ready: vllm serve {r['vllm_start_s']:.0f} s, "
+        f"Tollgate worker {r['tollgate_start_s']:.0f} s.",
+        "",
+    ]
+    return lines
+
+
+def _gateway(r: dict[str, Any]) -> list[str]:
+    d, t = r["direct"], r["tollgate"]
+    lines = [
+        "## Gateway hop: simulated engine through Tollgate vs the same engine served directly",
+        "",
+        "The simulated engine (a test double: no model, 8 tokens, no delay) behind a bare "
+        "aiohttp server (baseline) and behind Tollgate's router + NATS + worker. "
+        "Non-streaming chat completions; the load generator runs on the same 2 cores.",
+        "",
+        "| metric | direct | Tollgate | added by the hop |",
+        "|---|---|---|---|",
+    ]
+    for key, label in (
+        ("latency_p50_ms", "latency p50 at concurrency 1 (ms)"),
+        ("latency_p99_ms", "latency p99 at concurrency 1 (ms)"),
+    ):
+        lines.append(
+            f"| {label} | {d['c1'][key]:.2f} | {t['c1'][key]:.2f} | "
+            f"{t['c1'][key] - d['c1'][key]:+.2f} |"
+        )
+    lines.append(
+        f"| requests/s sustained with p99 ≤ 50 ms | {d['rate_at_p99_50ms']:.0f} | "
+        f"{t['rate_at_p99_50ms']:.0f} | ratio {_ratio(t['rate_at_p99_50ms'], d['rate_at_p99_50ms'])} |"
+    )
+    lines += [
+        "",
+        "| concurrency | direct req/s | direct p99 (ms) | Tollgate req/s | Tollgate p99 (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for dl, tl in zip(d["levels"], t["levels"], strict=True):
+        lines.append(
+            f"| {dl['concurrency']} | {dl['requests_per_s']:.0f} | {dl['latency_p99_ms']:.1f} | "
+            f"{tl['requests_per_s']:.0f} | {tl['latency_p99_ms']:.1f} |"
+        )
+    lines.append("")
+    return lines
+
+
+def write_report(results: dict[str, Any], path: Path) -> None:
+    lines = [
+        "# Benchmarks",
+        "",
+        "Every figure below comes from one run of `make bench` (`python -m bench`), with each",
+        "system and its baseline measured side by side in that run. Performance is never",
+        "asserted in the test suite; it is measured here.",
+        "",
+        f"- Date: {results['date']}",
+        f"- Machine: {results['machine']}",
+        f"- Command: `{results['command']}`",
+        "",
+    ]
+    if "inference" in results:
+        lines += _inference(results["inference"])
+    if "gateway" in results:
+        lines += _gateway(results["gateway"])
+    path.write_text("\n".join(lines))
