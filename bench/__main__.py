@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench import procs as P
 from bench.load import run_load
 from services.worker.vllm_engine import build_engine_argv
@@ -71,6 +73,21 @@ def chat_bodies(n: int, max_tokens: int) -> list[dict[str, Any]]:
     ]
 
 
+def greedy_outputs(url: str) -> list[str]:
+    """Non-streaming greedy replies to every prompt, to compare the two servers."""
+    outputs = []
+    for prompt in PROMPTS:
+        body = {
+            "model": REAL,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 32,
+            "temperature": 0,
+        }
+        reply = httpx.post(url, json=body, timeout=120).json()
+        outputs.append(reply["choices"][0]["message"]["content"])
+    return outputs
+
+
 def measure_streaming(url: str, quick: bool) -> dict[str, dict[str, float]]:
     asyncio.run(run_load(url, chat_bodies(8, 16), 4))  # warm-up
     results = {}
@@ -90,14 +107,24 @@ def bench_inference(work: Path, env: dict[str, str], quick: bool) -> dict[str, A
     with P.processes(work, env) as procs:
         port = P.free_port()
         started = time.monotonic()
-        procs.spawn("vllm-serve", [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            *build_engine_argv(entry, model_path), "--port", str(port),
-            "--host", "127.0.0.1",
-        ])
+        procs.spawn(
+            "vllm-serve",
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                *build_engine_argv(entry, model_path),
+                "--port",
+                str(port),
+                "--host",
+                "127.0.0.1",
+            ],
+        )
         P.wait_http(f"http://127.0.0.1:{port}/health")
         out["vllm_start_s"] = time.monotonic() - started
-        out["vllm"] = measure_streaming(f"http://127.0.0.1:{port}/v1/chat/completions", quick)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        out["vllm"] = measure_streaming(url, quick)
+        vllm_outputs = greedy_outputs(url)
     print("inference: Tollgate (router + NATS + worker)", flush=True)
     with P.processes(work, env) as procs:
         nats = P.start_nats(procs)
@@ -106,6 +133,9 @@ def bench_inference(work: Path, env: dict[str, str], quick: bool) -> dict[str, A
         P.start_worker(procs, nats, REAL)
         out["tollgate_start_s"] = time.monotonic() - started
         out["tollgate"] = measure_streaming(f"{base}/v1/chat/completions", quick)
+        ours = greedy_outputs(f"{base}/v1/chat/completions")
+    out["identical_outputs"] = sum(a == b for a, b in zip(vllm_outputs, ours, strict=True))
+    out["compared_outputs"] = len(ours)
     return out
 
 
@@ -129,12 +159,24 @@ def bench_gateway(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any
     print("gateway: simulated engine, direct (baseline)", flush=True)
     with P.processes(work, env) as procs:
         port = P.free_port()
-        procs.spawn("direct-sim", [
-            sys.executable, "-m", "bench.direct_sim", "--model", SIM, "--port", str(port),
-        ])
+        procs.spawn(
+            "direct-sim",
+            [
+                sys.executable,
+                "-m",
+                "bench.direct_sim",
+                "--model",
+                SIM,
+                "--port",
+                str(port),
+            ],
+        )
         P.wait_http(f"http://127.0.0.1:{port}/readyz", 120)
-        asyncio.run(run_load(f"http://127.0.0.1:{port}/v1/chat/completions",
-                             [sim_body()] * 50, 4, stream=False))
+        asyncio.run(
+            run_load(
+                f"http://127.0.0.1:{port}/v1/chat/completions", [sim_body()] * 50, 4, stream=False
+            )
+        )
         out["direct"] = sweep(f"http://127.0.0.1:{port}/v1/chat/completions", quick)
     print("gateway: simulated engine through Tollgate", flush=True)
     with P.processes(work, env) as procs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -53,9 +54,7 @@ class RunStats:
         }
 
 
-async def stream_chat(
-    http: aiohttp.ClientSession, url: str, body: dict[str, Any]
-) -> Sample:
+async def stream_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Sample:
     """One streaming chat completion; times every content chunk."""
     start = time.perf_counter()
     stamps: list[float] = []
@@ -76,7 +75,7 @@ async def stream_chat(
     end = time.perf_counter()
     if not stamps:
         raise RuntimeError("no content streamed")
-    itls = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    itls = [b - a for a, b in itertools.pairwise(stamps)]
     return Sample(stamps[0] - start, itls, completion, end - start)
 
 

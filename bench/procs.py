@@ -100,9 +100,16 @@ def start_router(procs: Procs, nats_url: str, **env: str) -> str:
 
 def start_worker(procs: Procs, nats_url: str, model: str) -> None:
     procs.env["TOLLGATE_NATS_URL"] = nats_url
-    procs.spawn(f"worker-{model.replace('/', '_')}", [
-        sys.executable, "-m", "services.worker", "--model", model,
-    ])
+    procs.spawn(
+        f"worker-{model.replace('/', '_')}",
+        [
+            sys.executable,
+            "-m",
+            "services.worker",
+            "--model",
+            model,
+        ],
+    )
     asyncio.run(_wait_worker(nats_url, model))
 
 

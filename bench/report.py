@@ -20,7 +20,7 @@ def _inference(r: dict[str, Any]) -> list[str]:
         "OpenAI server called directly; Tollgate is router + NATS + worker. The two "
         "run one after the other, each with its own engine.",
         "",
-        "| concurrency | metric | vllm serve | Tollgate | Tollgate / vllm | Tollgate − vllm |",
+        "| concurrency | metric | vllm serve | Tollgate | Tollgate / vllm | Tollgate minus vllm |",
         "|---|---|---|---|---|---|",
     ]
     for level in ("c1", "c16"):
@@ -40,6 +40,10 @@ def _inference(r: dict[str, Any]) -> list[str]:
         "",
         f"Engine start to first ready: vllm serve {r['vllm_start_s']:.0f} s, "
         f"Tollgate worker {r['tollgate_start_s']:.0f} s.",
+        "",
+        f"Greedy (temperature 0) non-streaming replies to the {r.get('compared_outputs', 0)} "
+        f"benchmark prompts were identical on both servers for "
+        f"{r.get('identical_outputs', 0)} of them.",
         "",
     ]
     return lines
@@ -67,7 +71,8 @@ def _gateway(r: dict[str, Any]) -> list[str]:
         )
     lines.append(
         f"| requests/s sustained with p99 ≤ 50 ms | {d['rate_at_p99_50ms']:.0f} | "
-        f"{t['rate_at_p99_50ms']:.0f} | ratio {_ratio(t['rate_at_p99_50ms'], d['rate_at_p99_50ms'])} |"
+        f"{t['rate_at_p99_50ms']:.0f} | "
+        f"ratio {_ratio(t['rate_at_p99_50ms'], d['rate_at_p99_50ms'])} |"
     )
     lines += [
         "",

@@ -49,6 +49,20 @@ def build_engine_argv(entry: ModelEntry, model_path: Path) -> list[str]:
     ]
 
 
+def engine_body(body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    """The client's body as the serving layer gets it.
+
+    Our request id becomes vLLM's (``chatcmpl-<id>``), so logs on both sides
+    match. A stream always asks for its usage event: billing needs the
+    engine's counts; the router drops the event again when the client did
+    not ask for it.
+    """
+    body = {**body, "request_id": request_id}
+    if body.get("stream"):
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return body
+
+
 class TallyingEngineClient:
     """Pass-through to vLLM's engine client that counts tokens per request.
 
@@ -174,17 +188,8 @@ class VllmEngine:
             )
             return ErrorResult(err.model_dump_json(), err.error.code)
         request_model, serve = handler
-        body = dict(body)
-        # Our id becomes vLLM's (chatcmpl-<id>), so logs on both sides match.
-        body["request_id"] = request_id
-        if body.get("stream"):
-            # Always ask for the usage event: billing needs the engine's counts.
-            # The router drops it again when the client did not ask for it.
-            options = dict(body.get("stream_options") or {})
-            options["include_usage"] = True
-            body["stream_options"] = options
         try:
-            request = request_model.model_validate(body)
+            request = request_model.model_validate(engine_body(body, request_id))
         except ValidationError as exc:
             return await self._invalid(exc)
         try:

@@ -1,0 +1,74 @@
+"""`tollgate up`: the whole stack as supervised children, one instance per var dir."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import SIM_MODEL, free_port
+
+
+def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
+    var_dir: Path, prepared_model: Path, tmp_path: Path
+) -> None:
+    port, nats_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "TOLLGATE_CATALOG": str(var_dir / "models.toml"),
+        "TOLLGATE_VAR_DIR": str(tmp_path / "var"),
+        "TOLLGATE_MODEL_CACHE": str(var_dir / "cache" / "models"),
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "tollgate.cli",
+        "up",
+        "--port",
+        str(port),
+        "--nats-port",
+        str(nats_port),
+        "--model",
+        SIM_MODEL,
+    ]
+    up = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert up.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = up.stdout.readline()
+        lines.append(line)
+        if "is ready" in line or not line:
+            break
+    assert any(f"http://127.0.0.1:{port}/v1" in ln for ln in lines), lines
+    assert any(f"Model {SIM_MODEL} is ready" in ln for ln in lines), lines
+
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        json={"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        timeout=30,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1
+    assert "already running" in second.stderr and f":{port}/v1" in second.stderr
+
+    up.send_signal(signal.SIGINT)
+    rest, _ = up.communicate(timeout=90)
+    assert up.returncode == 0, rest
+    assert "Stopped." in rest
+    # every child is gone: the ports are free again
+    for p in (port, nats_port):
+        try:
+            httpx.get(f"http://127.0.0.1:{p}/", timeout=1)
+            raise AssertionError(f"port {p} still answers")
+        except httpx.ConnectError:
+            pass
