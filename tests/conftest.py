@@ -24,6 +24,7 @@ import pytest
 from tollgate import bus, codec
 from tollgate.catalog import load_catalog
 from tollgate.contracts import WorkerHeartbeat, WorkerState
+from tollgate.keys import bootstrap
 from tollgate.modelprep import prepare_model
 from tollgate.subjects import Subjects
 from tollgate.supervisor import nats_server_binary
@@ -263,7 +264,22 @@ def stack(nats_server: NatsServer, var_dir: Path, prepared_model: Path) -> Itera
 
 
 @pytest.fixture(scope="session")
-def router_url(stack: Stack) -> str:
+async def api_key(stack: Stack) -> str:
+    """The stack's signing key and a key for every model, as `tollgate up` makes them."""
+    nc = await bus.connect(stack.nats.url, "test-bootstrap")
+    try:
+        return await bootstrap(nc.jetstream(), stack.var_dir)
+    finally:
+        await nc.close()
+
+
+@pytest.fixture(scope="session")
+def auth_headers(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"}
+
+
+@pytest.fixture(scope="session")
+def router_url(stack: Stack, api_key: str) -> str:
     _, base = stack.router()
     return base
 

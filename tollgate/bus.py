@@ -81,3 +81,17 @@ async def ensure_infer_stream(
         await js.add_stream(config)
     except BadRequestError:
         await js.update_stream(config)
+
+
+async def ensure_usage_stream(js: JetStreamContext, subjects: Subjects) -> None:
+    """The stream of usage events: file storage, duplicates dropped by request id."""
+    config = StreamConfig(
+        name=subjects.usage_stream,
+        subjects=[subjects.usage_all],
+        storage=StorageType.FILE,
+        duplicate_window=600.0,
+    )
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        await js.update_stream(config)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import runpy
 import sys
+from typing import Any
 
 from tollgate.catalog import load_catalog
 from tollgate.settings import CommonSettings
@@ -56,6 +57,96 @@ def _models(ns: argparse.Namespace) -> int:
     return 0
 
 
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, "y": 365 * 86400}
+
+
+def parse_ttl(text: str) -> float | None:
+    """``30d``, ``12h``, ``90m``, ``3600s`` or ``never``."""
+    if text == "never":
+        return None
+    number, unit = text[:-1], text[-1]
+    if unit not in _UNITS or not number.isdigit() or int(number) <= 0:
+        raise argparse.ArgumentTypeError(f"ttl must look like 30d, 12h, 90m or never: {text!r}")
+    return int(number) * _UNITS[unit]
+
+
+def parse_budget(text: str) -> tuple[int, str]:
+    """``1000000/month``, ``50000/day`` or ``1000000/total``."""
+    amount, _, period = text.partition("/")
+    if not amount.isdigit() or period not in ("day", "month", "total"):
+        raise argparse.ArgumentTypeError(f"budget must look like 1000000/month: {text!r}")
+    return int(amount), period
+
+
+def _limits(ns: argparse.Namespace) -> dict[str, Any]:
+    limits: dict[str, Any] = {}
+    for name in ("rpm", "tpm", "name"):
+        if getattr(ns, name, None) is not None:
+            limits[name] = getattr(ns, name)
+    if getattr(ns, "models", None):
+        limits["models"] = [m.strip() for m in ns.models.split(",") if m.strip()]
+    if getattr(ns, "budget_tokens", None):
+        limits["budget_tokens"], limits["budget_period"] = ns.budget_tokens
+    return limits
+
+
+async def _keys_async(ns: argparse.Namespace) -> int:
+    import time
+
+    from tollgate import bus
+    from tollgate.keys import KeyStore, SigningKeySet, auth_dir, new_key
+
+    common = CommonSettings()
+    nc = await bus.connect(common.nats_url, name="tollgate-cli")
+    try:
+        store = await KeyStore(nc.jetstream()).open()
+        if ns.action == "create":
+            signing = SigningKeySet(auth_dir(common.var_dir) / "signing-keys.json")
+            if signing.current is None:
+                print("error: no signing key here; start `tollgate up` first", file=sys.stderr)
+                return 1
+            limits = _limits(ns)
+            token, record = new_key(signing, tenant=ns.tenant, ttl_s=ns.ttl, **limits)
+            await store.put(record)
+            print(f"key id: {record.key_id}\ntenant: {record.tenant}")
+            print(f"API key (shown once, store it now):\n{token}")
+            return 0
+        if ns.action == "list":
+            for r in sorted(await store.all(), key=lambda r: r.created_at):
+                expiry = (
+                    "never"
+                    if r.expires_at is None
+                    else time.strftime("%Y-%m-%d %H:%M", time.gmtime(r.expires_at))
+                )
+                print(
+                    f"{r.key_id}  {r.tenant:<12} {r.state.value:<11} expires {expiry}  "
+                    f"models {','.join(r.models)}  rpm {r.rpm}  tpm {r.tpm}  "
+                    f"budget {r.budget_tokens}/{r.budget_period}  {r.name}"
+                )
+            return 0
+        current = await store.get(ns.key_id)
+        if current is None:
+            print(f"error: no key {ns.key_id!r}", file=sys.stderr)
+            return 1
+        if ns.action == "revoke":
+            await store.revoke(ns.key_id)
+            print(f"revoked {ns.key_id}")
+            return 0
+        update = _limits(ns)
+        if ns.ttl is not False:
+            update["expires_at"] = None if ns.ttl is None else time.time() + ns.ttl
+        changed = {**current.model_dump(), **update, "updated_at": time.time()}
+        await store.put(type(current).model_validate(changed))
+        print(f"updated {ns.key_id}")
+        return 0
+    finally:
+        await bus.close(nc)
+
+
+def _keys(ns: argparse.Namespace) -> int:
+    return asyncio.run(_keys_async(ns))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("router", "worker"):
@@ -72,6 +163,23 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("action", choices=["list", "prepare"])
     models.add_argument("ids", nargs="*")
     models.set_defaults(func=_models)
+    keys = sub.add_parser("keys", help="API keys (the whitelist in NATS KV)")
+    key_actions = keys.add_subparsers(dest="action", required=True)
+    create = key_actions.add_parser("create", help="issue a key; the token is shown once")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--ttl", type=parse_ttl, default=None, help="30d, 12h, ... or never")
+    update = key_actions.add_parser("update", help="change a key's models, limits or expiry")
+    update.add_argument("key_id")
+    update.add_argument("--ttl", type=parse_ttl, default=False, help="30d, 12h, ... or never")
+    for p in (create, update):
+        p.add_argument("--name")
+        p.add_argument("--models", help="comma-separated ids or globs, e.g. 'SmolLM2-*'")
+        p.add_argument("--rpm", type=int, help="requests per minute")
+        p.add_argument("--tpm", type=int, help="tokens per minute")
+        p.add_argument("--budget-tokens", type=parse_budget, help="e.g. 1000000/month")
+    key_actions.add_parser("list", help="every key, without tokens")
+    key_actions.add_parser("revoke", help="revoke a key at once").add_argument("key_id")
+    keys.set_defaults(func=_keys)
     sub.add_parser("router", help="run the router (python -m services.router)")
     sub.add_parser("worker", help="run a worker (python -m services.worker --model ID)")
     ns = parser.parse_args(argv)

@@ -40,6 +40,8 @@ class InferenceRequest(_Contract):
         description="Unix time after which no worker may start it (the router gave up)."
     )
     deadline: float = Field(description="Unix time by which the whole request must be finished.")
+    tenant: str | None = Field(default=None, description="Tenant of the API key (who pays).")
+    key_id: str | None = Field(default=None, description="Id of the API key used.")
 
 
 class ChunkKind(StrEnum):
@@ -116,3 +118,24 @@ class WorkerHeartbeat(_Contract):
     kv_cache_usage: float | None = Field(default=None, description="KV cache use, 0..1.")
     interval_s: float = Field(description="Seconds until the next heartbeat.")
     sent_at: float = Field(description="Unix time it was sent.")
+
+
+class UsageEvent(_Contract):
+    """One per accepted request, whatever its ending: what billing counts."""
+
+    type: Literal["tg.usage.v1"] = Field(default="tg.usage.v1", description="Contract type id.")
+    request_id: str = Field(description="The request (also Nats-Msg-Id and x-request-id).")
+    time: float = Field(description="Unix time the request ended.")
+    tenant: str = Field(description="Who pays.")
+    key_id: str | None = Field(default=None, description="The API key used (none: auth off).")
+    model: str = Field(description="Canonical model id.")
+    worker_id: str | None = Field(default=None, description="Worker that ran it, if any.")
+    prompt_tokens: int = Field(description="Prompt tokens, as the engine counted them.")
+    completion_tokens: int = Field(description="Completion tokens, as the engine counted them.")
+    outcome: str = Field(description="completed, cancelled, error, expired, worker_lost, ...")
+    finish_reason: str | None = Field(default=None, description="stop, length, ... when known.")
+    streamed: bool = Field(description="Whether the client asked for a stream.")
+    queue_s: float | None = Field(default=None, description="Seconds until a worker took it.")
+    ttft_s: float | None = Field(default=None, description="Seconds until the first output.")
+    total_s: float = Field(description="Seconds from arrival to the end.")
+    http_status: int = Field(description="HTTP status the client got.")

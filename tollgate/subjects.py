@@ -89,6 +89,18 @@ class Subjects:
     def heartbeat_all(self) -> str:
         return f"{self.prefix}.workers.*"
 
+    def usage(self, tenant: str) -> str:
+        """Usage events of one tenant (tenant ids are escaped like model ids)."""
+        return f"{self.prefix}.usage.{model_token(tenant)}"
+
+    @property
+    def usage_all(self) -> str:
+        return f"{self.prefix}.usage.*"
+
+    @property
+    def usage_stream(self) -> str:
+        return f"{self.prefix.upper()}_USAGE"
+
     def drain(self, worker_id: str) -> str:
         """Control subject that tells one worker to drain and exit."""
         return f"{self.prefix}.control.drain.{worker_id}"

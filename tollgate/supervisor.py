@@ -25,6 +25,7 @@ import aiohttp
 
 from tollgate import bus, codec
 from tollgate.contracts import WorkerHeartbeat, WorkerState
+from tollgate.keys import bootstrap
 from tollgate.settings import CommonSettings
 
 
@@ -193,11 +194,15 @@ class Stack:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        for child in self.children:
+        nats, services = self.children[0], self.children[1:]
+        await nats.start()
+        demo_key = await self._bootstrap()
+        for child in services:
             await child.start()
         print(
-            f"Logs in {self.var / 'logs'}; starting NATS, router and "
-            f"{len(self.models)} worker(s)...",
+            f"Logs in {self.var / 'logs'}; starting the router and "
+            f"{len(self.models)} worker(s)...\n"
+            f"Demo API key (also in {self.var / 'auth' / 'demo-key'}):\n  {demo_key}",
             file=out,
             flush=True,
         )
@@ -217,6 +222,14 @@ class Stack:
                 await child.stop(timeout=30)
             print("Stopped.", file=out, flush=True)
         return 0
+
+    async def _bootstrap(self) -> str:
+        """Signing key, admin credential and demo key on first start (kept in var/auth)."""
+        nc = await bus.connect(f"nats://127.0.0.1:{self.nats_port}", name="tollgate-up")
+        try:
+            return await bootstrap(nc.jetstream(), self.var)
+        finally:
+            await bus.close(nc)
 
     async def _restart(self, child: Child, out: IO[str]) -> None:
         code = child.proc.returncode if child.proc else None

@@ -9,7 +9,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from services.router import handlers
-from services.router.appkeys import CATALOG, DISPATCHER, SERVING, SETTINGS, STARTED_AT, WORKERS
+from services.router.appkeys import (
+    CATALOG,
+    DISPATCHER,
+    KEYS,
+    SERVING,
+    SETTINGS,
+    STARTED_AT,
+    WORKERS,
+)
+from services.router.auth import KeyMirror
 from services.router.dispatch import Dispatcher
 from services.router.errors import (
     InternalError,
@@ -18,8 +27,10 @@ from services.router.errors import (
     TollgateError,
     error_response,
 )
+from services.router.limits import Limiter
 from services.router.serving import OpenAIServing
 from services.router.settings import RouterSettings
+from services.router.usage import UsagePublisher
 from services.router.workers import WorkerView
 from tollgate import bus
 from tollgate.catalog import Catalog
@@ -71,9 +82,23 @@ def create_app(
         await dispatcher.start(catalog.models)
         app[WORKERS] = workers
         app[DISPATCHER] = dispatcher
-        app[SERVING] = OpenAIServing(catalog, dispatcher, workers, settings)
-        log.info("router ready", extra={"router_id": settings.router_id})
+        js = nc.jetstream()
+        usage = UsagePublisher(js, common.subjects)
+        await usage.start()
+        limiter = await Limiter.open(js)
+        serving = OpenAIServing(catalog, dispatcher, workers, settings, limiter, usage)
+        app[SERVING] = serving
+        keys = KeyMirror(settings.hs256_secrets)
+        app[KEYS] = keys
+        if settings.auth:
+            await keys.start(js)
+            if not await keys.wait_synced(timeout=10):
+                log.warning("key whitelist not loaded yet; not ready until it is")
+        log.info("router started", extra={"router_id": settings.router_id, "auth": settings.auth})
         yield
+        await serving.drain()
+        await usage.flush()
+        await keys.stop()
         await bus.close(nc)
 
     app.cleanup_ctx.append(nats_ctx)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from services.router.auth import KeyMirror
 from services.router.dispatch import Dispatcher
 from services.router.serving import OpenAIServing
 from services.router.settings import RouterSettings
@@ -16,3 +17,4 @@ SERVING = web.AppKey("serving", OpenAIServing)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 WORKERS = web.AppKey("workers", WorkerView)
 STARTED_AT = web.AppKey("started_at", int)
+KEYS = web.AppKey("keys", KeyMirror)

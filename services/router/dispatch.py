@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import NoStreamResponseError
 
+from services.router.limits import Reservation
 from tollgate import codec
 from tollgate.bus import ensure_infer_stream
 from tollgate.contracts import CancelRequest, InferenceRequest, ResponseChunk
@@ -25,13 +27,26 @@ log = logging.getLogger("tollgate.router.dispatch")
 class Call:
     """One request in flight: its chunks arrive on ``queue`` in order."""
 
-    __slots__ = ("cancelled", "queue", "request", "worker_id")
+    __slots__ = (
+        "cancelled",
+        "first_output_at",
+        "queue",
+        "request",
+        "reservation",
+        "started_at",
+        "submitted_at",
+        "worker_id",
+    )
 
     def __init__(self, request: InferenceRequest) -> None:
         self.request = request
         self.queue: asyncio.Queue[ResponseChunk] = asyncio.Queue()
         self.worker_id: str | None = None
         self.cancelled = False
+        self.submitted_at = time.monotonic()
+        self.started_at: float | None = None
+        self.first_output_at: float | None = None
+        self.reservation: Reservation | None = None
 
 
 class Dispatcher:

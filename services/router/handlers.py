@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from services.router.appkeys import CATALOG, DISPATCHER, SERVING, SETTINGS, STARTED_AT
+from services.router.appkeys import CATALOG, DISPATCHER, KEYS, SERVING, SETTINGS, STARTED_AT
+from services.router.auth import Principal
 from services.router.dispatch import Call
 from services.router.errors import (
     ModelNotFound,
@@ -44,8 +45,28 @@ async def _read_body(request: web.Request) -> bytes:
         raise PayloadTooLarge(f"The request body is larger than {limit} bytes.") from None
 
 
+def _headers(call: Call) -> dict[str, str]:
+    """x-request-id, and the key's x-ratelimit-* headers as OpenAI sends them."""
+    headers = {"x-request-id": call.request.request_id}
+    if call.reservation is not None:
+        headers.update(call.reservation.headers)
+    return headers
+
+
 def _closing(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()
+
+
+def _principal(request: web.Request) -> Principal | None:
+    """The caller's key, or None when the router runs without auth."""
+    if not request.app[SETTINGS].auth:
+        return None
+    return request.app[KEYS].authenticate(request)
+
+
+def _visible(request: web.Request, entry: ModelEntry) -> bool:
+    principal = _principal(request)
+    return principal is None or principal.record.allows(entry.names)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -60,8 +81,11 @@ async def _relay(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     serving = request.app[SERVING]
     request_id = uuid.uuid4().hex
     try:
+        principal = _principal(request)
         prepared = serving.parse(endpoint, await _read_body(request))
-        call = await serving.submit(prepared, request_id)
+        if principal is not None:
+            request.app[KEYS].authorize(principal, prepared.entry, prepared.body["model"])
+        call = await serving.submit(prepared, request_id, principal)
     except TollgateError as exc:
         return error_response(exc, request_id)
     if prepared.stream:
@@ -87,18 +111,18 @@ async def _full(
                 body, status = item.data.encode(), item.status or 200
     except TollgateError as exc:
         await serving.cancel(call, exc.code or "error")
-        serving.finish(call, None, exc.status)
+        serving.finish_later(call, prepared, None, exc.status, exc.code)
         return error_response(exc, request_id)
     except (ClientGone, asyncio.CancelledError):
         await serving.cancel(call, "client_disconnected")
-        serving.finish(call, None, 499)
+        serving.finish_later(call, prepared, None, 499, "client_disconnected")
         raise
-    serving.finish(call, end, status)
+    serving.finish_later(call, prepared, end, status)
     return web.Response(
         status=status,
         body=body,
         content_type="application/json",
-        headers={"x-request-id": request_id},
+        headers=_headers(call),
     )
 
 
@@ -110,7 +134,7 @@ async def _stream(
     status, end = 200, None
 
     async def open_stream() -> web.StreamResponse:
-        stream = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": request_id})
+        stream = web.StreamResponse(headers={**SSE_HEADERS, **_headers(call)})
         stream.content_type = "text/event-stream"
         await stream.prepare(request)
         return stream
@@ -133,13 +157,13 @@ async def _stream(
                 # The error came before any output: send it with its own status,
                 # as vllm serve does.
                 status = item.status or 500
-                serving.finish(call, None, status)
+                serving.finish_later(call, prepared, None, status)
                 body = (item.data or "").encode()
                 return web.Response(
                     status=status,
                     body=body,
                     content_type="application/json",
-                    headers={"x-request-id": request_id},
+                    headers=_headers(call),
                 )
             if response is None:
                 response = await open_stream()
@@ -150,7 +174,7 @@ async def _stream(
             await response.write(data.encode())
     except TollgateError as exc:
         await serving.cancel(call, exc.code or "error")
-        serving.finish(call, None, exc.status)
+        serving.finish_later(call, prepared, None, exc.status, exc.code)
         if response is None:
             return error_response(exc, request_id)
         try:
@@ -160,11 +184,11 @@ async def _stream(
         return response
     except (ClientGone, ConnectionResetError, asyncio.CancelledError):
         await serving.cancel(call, "client_disconnected")
-        serving.finish(call, None, 499)
+        serving.finish_later(call, prepared, None, 499, "client_disconnected")
         if response is None:
             raise
         return response
-    serving.finish(call, end, status)
+    serving.finish_later(call, prepared, end, status)
     assert response is not None
     await response.write_eof()
     return response
@@ -183,14 +207,15 @@ def _model_card(entry: ModelEntry, created: int) -> dict[str, Any]:
 
 async def list_models(request: web.Request) -> web.Response:
     created = request.app[STARTED_AT]
-    data = [_model_card(e, created) for e in request.app[CATALOG].models.values()]
+    entries = request.app[CATALOG].models.values()
+    data = [_model_card(e, created) for e in entries if _visible(request, e)]
     return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
 
 async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     entry = request.app[CATALOG].resolve(name)
-    if entry is None:
+    if entry is None or not _visible(request, entry):
         return error_response(ModelNotFound(name))
     return web.json_response(_model_card(entry, request.app[STARTED_AT]), dumps=_dumps)
 
@@ -203,6 +228,8 @@ async def readyz(request: web.Request) -> web.Response:
     nc = request.app[DISPATCHER].nc
     if not nc.is_connected:
         return error_response(ServiceUnavailable("Not connected to NATS."))
+    if request.app[SETTINGS].auth and not request.app[KEYS].ready:
+        return error_response(ServiceUnavailable("The key whitelist is not loaded yet."))
     return web.json_response({"status": "ready"})
 
 

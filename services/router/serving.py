@@ -12,6 +12,7 @@ from typing import Any, Final
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from services.router.auth import Principal
 from services.router.dispatch import Call, Dispatcher
 from services.router.errors import (
     DeadlineExceeded,
@@ -20,11 +21,21 @@ from services.router.errors import (
     ServiceUnavailable,
     WorkerLost,
 )
+from services.router.limits import Limiter
 from services.router.protocol import ChatCompletionBody, CompletionBody
 from services.router.settings import RouterSettings
+from services.router.usage import UsagePublisher
 from services.router.workers import WorkerView
 from tollgate.catalog import Catalog, ModelEntry
-from tollgate.contracts import ChunkKind, Endpoint, InferenceRequest, Outcome, ResponseChunk
+from tollgate.contracts import (
+    ChunkKind,
+    Endpoint,
+    InferenceRequest,
+    Outcome,
+    ResponseChunk,
+    Usage,
+    UsageEvent,
+)
 
 log = logging.getLogger("tollgate.router")
 
@@ -82,11 +93,16 @@ class OpenAIServing:
         dispatcher: Dispatcher,
         workers: WorkerView,
         settings: RouterSettings,
+        limiter: Limiter | None = None,
+        usage: UsagePublisher | None = None,
     ) -> None:
         self.catalog = catalog
         self.dispatcher = dispatcher
         self.workers = workers
         self.settings = settings
+        self.limiter = limiter
+        self.usage = usage
+        self._finishing: set[asyncio.Task[None]] = set()
 
     def parse(self, endpoint: Endpoint, raw: bytes) -> Prepared:
         """Check what the edge must check; raise an :class:`InvalidRequest` otherwise."""
@@ -117,7 +133,25 @@ class OpenAIServing:
             )
         return Prepared(endpoint, entry, body, bool(checked.stream), checked.wants_usage)
 
-    async def submit(self, prepared: Prepared, request_id: str) -> Call:
+    async def submit(
+        self, prepared: Prepared, request_id: str, principal: Principal | None
+    ) -> Call:
+        """Reserve the key's limits, then put the request in the model's queue."""
+        reservation = None
+        if principal is not None and self.limiter is not None and principal.record.limited:
+            reservation = await self.limiter.reserve(principal.record, worst_case_tokens(prepared))
+        try:
+            call = await self._dispatch(prepared, request_id, principal)
+        except BaseException:
+            if reservation is not None and self.limiter is not None:
+                await self.limiter.settle(reservation, 0)
+            raise
+        call.reservation = reservation
+        return call
+
+    async def _dispatch(
+        self, prepared: Prepared, request_id: str, principal: Principal | None
+    ) -> Call:
         now = time.time()
         request = InferenceRequest(
             request_id=request_id,
@@ -128,6 +162,8 @@ class OpenAIServing:
             enqueued_at=now,
             start_by=now + self.settings.queue_timeout_s,
             deadline=now + self.settings.request_timeout_s,
+            tenant=principal.tenant if principal else None,
+            key_id=principal.key_id if principal else None,
         )
         try:
             return await self.dispatcher.submit(request)
@@ -190,7 +226,10 @@ class OpenAIServing:
             kind = chunk.kind
             if kind is ChunkKind.START:
                 call.worker_id = chunk.worker_id
+                call.started_at = loop.time()
                 continue
+            if call.first_output_at is None and kind is ChunkKind.DATA:
+                call.first_output_at = loop.time()
             if kind is ChunkKind.USAGE and not prepared.wants_usage:
                 continue
             if kind is ChunkKind.END and chunk.outcome is Outcome.EXPIRED:
@@ -202,19 +241,93 @@ class OpenAIServing:
     async def cancel(self, call: Call, reason: str) -> None:
         await self.dispatcher.cancel(call, reason)
 
-    def finish(self, call: Call, end: ResponseChunk | None, status: int) -> None:
-        """The call is over; log its usage (the metering event hooks in here)."""
+    def finish_later(
+        self,
+        call: Call,
+        prepared: Prepared,
+        end: ResponseChunk | None,
+        status: int,
+        outcome: str | None = None,
+    ) -> None:
+        """Finish the call after the response has gone out (never delays the client)."""
+        task = asyncio.create_task(self.finish(call, prepared, end, status, outcome))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def drain(self, timeout: float = 10) -> None:
+        if self._finishing:
+            await asyncio.wait(self._finishing, timeout=timeout)
+
+    async def finish(
+        self,
+        call: Call,
+        prepared: Prepared,
+        end: ResponseChunk | None,
+        status: int,
+        outcome: str | None = None,
+    ) -> None:
+        """The call is over: settle its reservation and emit its usage event.
+
+        When the client went away before the end, the worker still reports the
+        tokens it generated; wait briefly for that report so billing stays exact.
+        """
+        if end is None and call.worker_id is not None and outcome != "worker_lost":
+            end = await self._late_end(call)
         self.dispatcher.finish(call)
-        usage = end.usage if end is not None else None
-        log.info(
-            "request done",
-            extra={
-                "request_id": call.request.request_id,
-                "model": call.request.model,
-                "worker_id": call.worker_id,
-                "status": status,
-                "outcome": (end.outcome.value if end and end.outcome else "lost"),
-                "prompt_tokens": usage.prompt_tokens if usage else None,
-                "completion_tokens": usage.completion_tokens if usage else None,
-            },
+        usage = end.usage if end is not None and end.usage is not None else Usage()
+        if outcome is None:
+            outcome = end.outcome.value if end is not None and end.outcome else "lost"
+        if call.reservation is not None and self.limiter is not None:
+            await self.limiter.settle(call.reservation, usage.total_tokens)
+        request = call.request
+        now = time.monotonic()
+        event = UsageEvent(
+            request_id=request.request_id,
+            time=time.time(),
+            tenant=request.tenant or "anonymous",
+            key_id=request.key_id,
+            model=request.model,
+            worker_id=call.worker_id,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            outcome=outcome,
+            finish_reason=end.finish_reason if end is not None else None,
+            streamed=prepared.stream,
+            queue_s=_since(call.submitted_at, call.started_at),
+            ttft_s=_since(call.submitted_at, call.first_output_at),
+            total_s=now - call.submitted_at,
+            http_status=status,
         )
+        if self.usage is not None:
+            self.usage.emit(event)
+        log.info("request done", extra=event.model_dump(exclude={"type", "request_id", "time"}))
+
+    async def _late_end(self, call: Call) -> ResponseChunk | None:
+        try:
+            async with asyncio.timeout(self.settings.late_usage_wait_s):
+                while True:
+                    chunk = await call.queue.get()
+                    if chunk.kind is ChunkKind.END:
+                        return chunk
+        except TimeoutError:
+            return None
+
+
+def _since(start: float, end: float | None) -> float | None:
+    return None if end is None else end - start
+
+
+def worst_case_tokens(prepared: Prepared) -> int:
+    """An upper bound of the tokens a request can use, to reserve before dispatch.
+
+    A byte-level tokenizer never makes more tokens than the prompt has bytes;
+    the chat template adds a bounded overhead. The completion is bounded by its
+    limit (or the context), times ``n``.
+    """
+    body = prepared.body
+    prompt = body.get("messages") if prepared.endpoint is Endpoint.CHAT else body.get("prompt")
+    context = prepared.entry.max_model_len
+    prompt_bound = min(context, len(orjson.dumps(prompt)) + 64)
+    limit = body.get("max_completion_tokens") or body.get("max_tokens") or context
+    n = body.get("n") or 1
+    return prompt_bound + n * min(int(limit), context)

@@ -33,3 +33,12 @@ class RouterSettings(BaseSettings):
         default=3, ge=1, description="Missed worker heartbeats before a worker counts as lost."
     )
     retry_after_s: int = Field(default=5, ge=1, description="Retry-After on 503.")
+    late_usage_wait_s: float = Field(
+        default=2.0, ge=0, description="After a disconnect, wait this long for the usage report."
+    )
+    auth: bool = Field(
+        default=True, description="Require a whitelisted API key on every call (off: open)."
+    )
+    hs256_secrets: dict[str, str] = Field(
+        default_factory=dict, description="HS256 signing secrets by kid (JSON), if HS256 is used."
+    )

@@ -19,8 +19,8 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture(scope="module")
-def aclient(router_url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0)
+def aclient(router_url: str, api_key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{router_url}/v1", api_key=api_key, max_retries=0)
 
 
 async def test_alias_and_usage_on_the_simulated_model(aclient: openai.AsyncOpenAI) -> None:
@@ -50,10 +50,12 @@ async def test_models_endpoint_lists_the_catalog(aclient: openai.AsyncOpenAI) ->
         await aclient.models.retrieve("does-not-exist")
 
 
-async def test_disconnect_frees_the_slot(router_url: str, stack: Stack) -> None:
+async def test_disconnect_frees_the_slot(
+    router_url: str, stack: Stack, auth_headers: dict[str, str]
+) -> None:
     body = {"model": SLOW_MODEL, "stream": True, "messages": MESSAGES}
     async with HeartbeatWatch(stack.nats.url, Subjects()) as watch:
-        async with httpx.AsyncClient(timeout=30) as http:
+        async with httpx.AsyncClient(timeout=30, headers=auth_headers) as http:
             async with http.stream("POST", f"{router_url}/v1/chat/completions", json=body) as r:
                 request_id = r.headers["x-request-id"]
                 # Hold the iterator: a dropped one is closed, and so the connection.
@@ -75,14 +77,14 @@ async def test_disconnect_frees_the_slot(router_url: str, stack: Stack) -> None:
 
 
 async def test_worker_killed_mid_stream_ends_the_stream_with_an_error(
-    router_url: str, stack: Stack, var_dir: object
+    router_url: str, stack: Stack, var_dir: object, auth_headers: dict[str, str]
 ) -> None:
     # A dedicated worker for the slow model, so killing it spares the others.
     victim = stack.worker(SLOW_MODEL)
     await wait_ready(stack.nats.url, SLOW_MODEL, count=2)
     # 100 tokens at 10/s: streams outlive the 3 s heartbeat window by far.
     body = {"model": SLOW_MODEL, "stream": True, "messages": MESSAGES, "max_tokens": 100}
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=30, headers=auth_headers) as http:
         # Fill both workers' slots so one request surely runs on the victim.
         async def stream_one() -> list[str]:
             lines: list[str] = []
@@ -109,9 +111,11 @@ async def test_worker_killed_mid_stream_ends_the_stream_with_an_error(
         assert lines[-1] == "data: [DONE]"
 
 
-async def test_queue_timeout_gives_503_with_retry_after(stack: Stack) -> None:
+async def test_queue_timeout_gives_503_with_retry_after(
+    stack: Stack, auth_headers: dict[str, str]
+) -> None:
     _, base = stack.router(TOLLGATE_ROUTER_QUEUE_TIMEOUT_S="1")
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=30, headers=auth_headers) as http:
         r = await http.post(
             f"{base}/v1/chat/completions", json={"model": ORPHAN_MODEL, "messages": MESSAGES}
         )
@@ -120,14 +124,16 @@ async def test_queue_timeout_gives_503_with_retry_after(stack: Stack) -> None:
     assert r.json()["error"]["code"] == "no_capacity"
 
 
-async def test_stream_waiting_in_the_queue_gets_keepalives_then_an_error(stack: Stack) -> None:
+async def test_stream_waiting_in_the_queue_gets_keepalives_then_an_error(
+    stack: Stack, auth_headers: dict[str, str]
+) -> None:
     _, base = stack.router(
         TOLLGATE_ROUTER_QUEUE_TIMEOUT_S="1.5",
         TOLLGATE_ROUTER_FIRST_BYTE_WAIT_S="0.2",
         TOLLGATE_ROUTER_KEEPALIVE_INTERVAL_S="0.3",
     )
     body = {"model": ORPHAN_MODEL, "messages": MESSAGES, "stream": True}
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=30, headers=auth_headers) as http:
         async with http.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             lines = [ln async for ln in r.aiter_lines() if ln]
@@ -136,13 +142,13 @@ async def test_stream_waiting_in_the_queue_gets_keepalives_then_an_error(stack: 
 
 
 async def test_request_waits_in_the_queue_until_a_worker_starts(
-    router_url: str, stack: Stack, var_dir: object
+    router_url: str, stack: Stack, var_dir: object, auth_headers: dict[str, str]
 ) -> None:
     """A model with no worker: the request waits and completes once one starts."""
     model = "sim/late"
     catalog = stack.var_dir / "models.toml"
     assert model in catalog.read_text(), "the catalog has a model for this test"
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60, headers=auth_headers) as http:
         pending = asyncio.create_task(
             http.post(
                 f"{router_url}/v1/chat/completions",
@@ -157,12 +163,14 @@ async def test_request_waits_in_the_queue_until_a_worker_starts(
     assert r.json()["usage"]["completion_tokens"] == 3
 
 
-async def test_sigterm_drains_in_flight_streams(router_url: str, stack: Stack) -> None:
+async def test_sigterm_drains_in_flight_streams(
+    router_url: str, stack: Stack, auth_headers: dict[str, str]
+) -> None:
     model = "sim/drain"
     worker = stack.worker(model)
     await wait_ready(stack.nats.url, model)
     body = {"model": model, "stream": True, "messages": MESSAGES, "max_tokens": 20}
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=30, headers=auth_headers) as http:
         async with http.stream("POST", f"{router_url}/v1/chat/completions", json=body) as r:
             lines = []
             async for line in r.aiter_lines():

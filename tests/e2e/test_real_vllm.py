@@ -19,13 +19,13 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 
 @pytest.fixture(scope="module")
-def client(router_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0)
+def client(router_url: str, api_key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{router_url}/v1", api_key=api_key, max_retries=0)
 
 
 @pytest.fixture(scope="module")
-def aclient(router_url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0)
+def aclient(router_url: str, api_key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{router_url}/v1", api_key=api_key, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -209,9 +209,11 @@ async def test_two_models_are_routed_to_their_own_workers(
     assert real.system_fingerprint and real.system_fingerprint.startswith("vllm")
 
 
-async def test_client_disconnect_frees_the_slot(router_url: str, stack: Stack) -> None:
+async def test_client_disconnect_frees_the_slot(
+    router_url: str, stack: Stack, auth_headers: dict[str, str]
+) -> None:
     async with HeartbeatWatch(stack.nats.url, Subjects()) as watch:
-        async with httpx.AsyncClient(timeout=60) as http:
+        async with httpx.AsyncClient(timeout=60, headers=auth_headers) as http:
             body = {
                 "model": REAL_MODEL,
                 "stream": True,

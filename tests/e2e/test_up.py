@@ -49,9 +49,19 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
             break
     assert any(f"http://127.0.0.1:{port}/v1" in ln for ln in lines), lines
     assert any(f"Model {SIM_MODEL} is ready" in ln for ln in lines), lines
+    key_line = lines[lines.index(next(ln for ln in lines if "Demo API key" in ln)) + 1]
+    demo_key = key_line.strip()
+    assert demo_key.startswith("tg-")
+    key_file = tmp_path / "var" / "auth" / "demo-key"
+    assert key_file.read_text().strip() == demo_key
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "var" / "auth" / "admin-token").stat().st_mode & 0o777 == 0o600
 
+    unauthenticated = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+    assert unauthenticated.status_code == 401
     r = httpx.post(
         f"http://127.0.0.1:{port}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {demo_key}"},
         json={"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
         timeout=30,
     )

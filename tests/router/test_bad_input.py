@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -13,8 +14,18 @@ CHAT = "/v1/chat/completions"
 GOOD = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
-def _post(base: str, path: str, **kwargs: Any) -> httpx.Response:
-    return httpx.post(f"{base}{path}", timeout=10, **kwargs)
+Post = Callable[..., httpx.Response]
+
+
+@pytest.fixture
+def post(router_url: str, auth_headers: dict[str, str]) -> Post:
+    """POST to the router with a valid key (extra headers are added to it)."""
+
+    def _post(path: str, **kwargs: Any) -> httpx.Response:
+        headers = {**auth_headers, **kwargs.pop("headers", {})}
+        return httpx.post(f"{router_url}{path}", timeout=10, headers=headers, **kwargs)
+
+    return _post
 
 
 def assert_openai_error(r: httpx.Response, status: int, *, param: str | None = None) -> dict:
@@ -46,8 +57,10 @@ def assert_openai_error(r: httpx.Response, status: int, *, param: str | None = N
         ({**GOOD, "model": 7}, "model", "string"),
     ],
 )
-def test_invalid_chat_bodies(router_url: str, body: dict, param: str, needle: str) -> None:
-    error = assert_openai_error(_post(router_url, CHAT, json=body), 400, param=param)
+def test_invalid_chat_bodies(
+    post: Post, router_url: str, body: dict, param: str, needle: str
+) -> None:
+    error = assert_openai_error(post(CHAT, json=body), 400, param=param)
     assert error["type"] == "invalid_request_error"
     assert needle in error["message"]
 
@@ -62,50 +75,52 @@ def test_invalid_chat_bodies(router_url: str, body: dict, param: str, needle: st
         {"model": SIM_MODEL, "prompt": {"text": "x"}},
     ],
 )
-def test_invalid_completion_bodies(router_url: str, body: dict) -> None:
-    error = assert_openai_error(_post(router_url, "/v1/completions", json=body), 400)
+def test_invalid_completion_bodies(post: Post, body: dict) -> None:
+    error = assert_openai_error(post("/v1/completions", json=body), 400)
     assert error["param"] == "prompt"
 
 
-def test_invalid_json(router_url: str) -> None:
-    r = _post(router_url, CHAT, content=b'{"model": ', headers={"content-type": "application/json"})
+def test_invalid_json(post: Post, router_url: str) -> None:
+    r = post(CHAT, content=b'{"model": ', headers={"content-type": "application/json"})
     assert "valid JSON" in assert_openai_error(r, 400)["message"]
 
 
-def test_json_that_is_not_an_object(router_url: str) -> None:
-    r = _post(router_url, CHAT, content=b"[1, 2]", headers={"content-type": "application/json"})
+def test_json_that_is_not_an_object(post: Post, router_url: str) -> None:
+    r = post(CHAT, content=b"[1, 2]", headers={"content-type": "application/json"})
     assert "JSON object" in assert_openai_error(r, 400)["message"]
 
 
-def test_wrong_content_type(router_url: str) -> None:
-    r = _post(router_url, CHAT, content=b"model=x", headers={"content-type": "text/plain"})
+def test_wrong_content_type(post: Post, router_url: str) -> None:
+    r = post(CHAT, content=b"model=x", headers={"content-type": "text/plain"})
     assert assert_openai_error(r, 415)["code"] == "unsupported_media_type"
 
 
-def test_body_over_the_limit(router_url: str) -> None:
+def test_body_over_the_limit(post: Post, router_url: str) -> None:
     big = {**GOOD, "messages": [{"role": "user", "content": "x" * (5 * 1024 * 1024)}]}
-    r = _post(router_url, CHAT, json=big)
+    r = post(CHAT, json=big)
     assert assert_openai_error(r, 413)["code"] == "request_too_large"
 
 
-def test_unknown_model(router_url: str) -> None:
-    r = _post(router_url, CHAT, json={**GOOD, "model": "no/such-model"})
+def test_unknown_model(post: Post, router_url: str) -> None:
+    r = post(CHAT, json={**GOOD, "model": "no/such-model"})
     error = assert_openai_error(r, 404, param="model")
     assert error["code"] == "model_not_found" and "no/such-model" in error["message"]
 
 
-def test_unknown_path_and_wrong_method(router_url: str) -> None:
-    assert_openai_error(_post(router_url, "/v1/nothing", json=GOOD), 404)
-    r = httpx.get(f"{router_url}{CHAT}", timeout=10)
+def test_unknown_path_and_wrong_method(
+    post: Post, router_url: str, auth_headers: dict[str, str]
+) -> None:
+    assert_openai_error(post("/v1/nothing", json=GOOD), 404)
+    r = httpx.get(f"{router_url}{CHAT}", timeout=10, headers=auth_headers)
     assert_openai_error(r, 405)
 
 
-def test_every_error_carries_a_request_id(router_url: str) -> None:
-    r = _post(router_url, CHAT, json={**GOOD, "model": "no/such-model"})
+def test_every_error_carries_a_request_id(post: Post, router_url: str) -> None:
+    r = post(CHAT, json={**GOOD, "model": "no/such-model"})
     assert len(r.headers["x-request-id"]) == 32
 
 
-def test_unknown_openai_fields_are_accepted(router_url: str, sim_workers: None) -> None:
-    r = _post(router_url, CHAT, json={**GOOD, "max_tokens": 2, "some_future_field": {"a": 1}})
+def test_unknown_openai_fields_are_accepted(post: Post, sim_workers: None) -> None:
+    r = post(CHAT, json={**GOOD, "max_tokens": 2, "some_future_field": {"a": 1}})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2

@@ -1,0 +1,198 @@
+"""Per-key limits that hold across every router replica.
+
+Counters live in JetStream KV and change only by compare-and-set, so
+concurrent routers cannot both take the last unit. A router remembers the
+last revision it saw of each counter and tries its update against it first:
+one round trip when it is the only writer, a read and a retry when not.
+
+- requests/min and tokens/min: fixed one-minute windows (``tg_ratelimits``,
+  memory storage, entries expire after two minutes);
+- token budgets per day, month or in total (``tg_budgets``, file storage).
+
+Tokens are reserved before dispatch at the worst case (an upper bound of the
+prompt plus the completion limit) and settled to the engine's count after, so
+an overshoot is bounded by the reservations in flight, never by how many
+requests raced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from services.router.errors import TollgateError
+from tollgate.keys import KeyRecord
+
+log = logging.getLogger("tollgate.router.limits")
+
+RATE_BUCKET = "tg_ratelimits"
+BUDGET_BUCKET = "tg_budgets"
+
+
+class RateLimited(TollgateError):
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+
+class QuotaExceeded(TollgateError):
+    status = 429
+    type = "insufficient_quota"
+    code = "insufficient_quota"
+
+
+def budget_window(period: str, now: float) -> str:
+    if period == "total":
+        return "total"
+    return time.strftime("%Y%m%d" if period == "day" else "%Y%m", time.gmtime(now))
+
+
+@dataclass
+class Reservation:
+    """What one request holds, to settle once its usage is known."""
+
+    tokens: int = 0
+    tpm_key: str | None = None
+    budget_key: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class CounterStore:
+    """Integer counters in one KV bucket, changed by compare-and-set."""
+
+    def __init__(self, kv: Any) -> None:
+        self.kv = kv
+        self._seen: dict[str, tuple[int, int]] = {}  # key -> (value, revision)
+
+    async def _read(self, key: str) -> tuple[int, int]:
+        try:
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            return 0, 0
+        value = int(entry.value or b"0")
+        self._seen[key] = (value, entry.revision)
+        return value, entry.revision
+
+    async def add(self, key: str, amount: int, limit: int | None = None) -> tuple[bool, int]:
+        """Add ``amount`` unless the result would pass ``limit``; (done, value after)."""
+        value, revision = self._seen.get(key) or await self._read(key)
+        for _ in range(100):
+            new = value + amount
+            if limit is not None and amount > 0 and new > limit:
+                # Refuse only on a fresh read: the remembered value may be stale.
+                fresh, fresh_revision = await self._read(key)
+                if fresh_revision == revision:
+                    return False, fresh
+                value, revision = fresh, fresh_revision
+                continue
+            try:
+                if revision == 0:
+                    revision = await self.kv.create(key, str(new).encode())
+                else:
+                    revision = await self.kv.update(key, str(new).encode(), last=revision)
+            except Exception as exc:
+                if not _is_conflict(exc):
+                    raise
+                value, revision = await self._read(key)  # another router was first
+                continue
+            self._seen[key] = (new, revision)
+            return True, new
+        raise RuntimeError(f"counter {key} kept changing under us")
+
+
+def _is_conflict(exc: Exception) -> bool:
+    if isinstance(exc, KeyWrongLastSequenceError):
+        return True
+    # create() on an existing key reports "wrong last sequence" as an API error
+    return "wrong last sequence" in str(exc) or "key exists" in str(exc).lower()
+
+
+class Limiter:
+    def __init__(self, rates: CounterStore, budgets: CounterStore) -> None:
+        self.rates = rates
+        self.budgets = budgets
+
+    @classmethod
+    async def open(cls, js: Any) -> Limiter:
+        async def bucket(name: str, config: KeyValueConfig) -> Any:
+            try:
+                return await js.key_value(name)
+            except Exception:
+                return await js.create_key_value(config)
+
+        rates = await bucket(
+            RATE_BUCKET, KeyValueConfig(bucket=RATE_BUCKET, storage=StorageType.MEMORY, ttl=120)
+        )
+        budgets = await bucket(
+            BUDGET_BUCKET, KeyValueConfig(bucket=BUDGET_BUCKET, storage=StorageType.FILE)
+        )
+        return cls(CounterStore(rates), CounterStore(budgets))
+
+    async def reserve(self, record: KeyRecord, worst_tokens: int) -> Reservation:
+        """Take one request and ``worst_tokens`` tokens, or raise a 429."""
+        now = time.time()
+        minute = int(now // 60)
+        reset = str(60 - int(now % 60))
+        held = Reservation()
+        if record.rpm is not None:
+            ok, used = await self.rates.add(f"rpm.{record.key_id}.{minute}", 1, record.rpm)
+            held.headers.update(
+                {
+                    "x-ratelimit-limit-requests": str(record.rpm),
+                    "x-ratelimit-remaining-requests": str(max(0, record.rpm - used)),
+                    "x-ratelimit-reset-requests": f"{reset}s",
+                }
+            )
+            if not ok:
+                raise RateLimited(
+                    f"Rate limit reached for requests: {record.rpm} per minute. "
+                    f"Please try again in {reset}s.",
+                    headers={**held.headers, "Retry-After": reset},
+                )
+        if record.tpm is not None:
+            key = f"tpm.{record.key_id}.{minute}"
+            ok, used = await self.rates.add(key, worst_tokens, record.tpm)
+            held.headers.update(
+                {
+                    "x-ratelimit-limit-tokens": str(record.tpm),
+                    "x-ratelimit-remaining-tokens": str(max(0, record.tpm - used)),
+                    "x-ratelimit-reset-tokens": f"{reset}s",
+                }
+            )
+            if not ok:
+                raise RateLimited(
+                    f"Rate limit reached for tokens: {record.tpm} per minute "
+                    f"(this request may use up to {worst_tokens}). Please try again in {reset}s.",
+                    headers={**held.headers, "Retry-After": reset},
+                )
+            held.tpm_key = key
+        held.tokens = worst_tokens
+        if record.budget_tokens is not None and record.budget_period is not None:
+            key = f"{record.key_id}.{budget_window(record.budget_period, now)}"
+            ok, _ = await self.budgets.add(key, worst_tokens, record.budget_tokens)
+            if not ok:
+                await self.settle(held, 0)  # give back the tokens/min it took
+                raise QuotaExceeded(
+                    "You exceeded your current quota: this key's token budget for the "
+                    f"{record.budget_period} cannot cover this request.",
+                    headers=held.headers,
+                )
+            held.budget_key = key
+        return held
+
+    async def settle(self, held: Reservation, actual_tokens: int) -> None:
+        """Replace the reservation by the real count (never raises)."""
+        delta = actual_tokens - held.tokens
+        try:
+            if held.tpm_key and delta:
+                await self.rates.add(held.tpm_key, delta)
+            if held.budget_key and delta:
+                await self.budgets.add(held.budget_key, delta)
+        except Exception as exc:
+            log.error("settling a reservation failed: %s", type(exc).__name__)
+        held.tokens = actual_tokens
