@@ -205,12 +205,28 @@ class Stack:
             time.sleep(0.1)
         raise TimeoutError("router not ready")
 
+    def auth(self, **env: str) -> tuple[Service, str]:
+        port = free_port()
+        service = self.spawn("auth", ["-m", "services.auth", "--port", str(port)], **env)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    return service, base
+            if service.proc.poll() is not None:
+                raise RuntimeError(f"auth service exited:\n{service.log_text()}")
+            time.sleep(0.1)
+        raise TimeoutError("auth service not ready")
+
     def worker(self, model: str, **env: str) -> Service:
         return self.spawn(f"worker-{model}", ["-m", "services.worker", "--model", model], **env)
 
     def stop_all(self) -> None:
         for service in reversed(self.services):
+            started = time.monotonic()
             service.stop(timeout=30)
+            print(f"stopped {service.name} in {time.monotonic() - started:.2f}s")
 
 
 class HeartbeatWatch:

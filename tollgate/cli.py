@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
 import runpy
 import sys
 from typing import Any
@@ -27,7 +28,14 @@ def _up(ns: argparse.Namespace) -> int:
     models = ns.model or [next(iter(catalog.models))]
     for model in models:
         catalog.get(model)
-    stack = Stack(common, host=ns.host, port=ns.port, nats_port=ns.nats_port, models=models)
+    stack = Stack(
+        common,
+        host=ns.host,
+        port=ns.port,
+        nats_port=ns.nats_port,
+        auth_port=ns.auth_port,
+        models=models,
+    )
     try:
         stack.acquire()
     except AlreadyRunning as exc:
@@ -99,7 +107,7 @@ async def _keys_async(ns: argparse.Namespace) -> int:
     common = CommonSettings()
     nc = await bus.connect(common.nats_url, name="tollgate-cli")
     try:
-        store = await KeyStore(nc.jetstream()).open()
+        store = await KeyStore(nc.jetstream(), actor=f"cli:{getpass.getuser()}").open()
         if ns.action == "create":
             signing = SigningKeySet(auth_dir(common.var_dir) / "signing-keys.json")
             if signing.current is None:
@@ -107,7 +115,7 @@ async def _keys_async(ns: argparse.Namespace) -> int:
                 return 1
             limits = _limits(ns)
             token, record = new_key(signing, tenant=ns.tenant, ttl_s=ns.ttl, **limits)
-            await store.put(record)
+            await store.put(record, "create")
             print(f"key id: {record.key_id}\ntenant: {record.tenant}")
             print(f"API key (shown once, store it now):\n{token}")
             return 0
@@ -149,7 +157,7 @@ def _keys(ns: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("router", "worker"):
+    if argv and argv[0] in ("router", "worker", "auth"):
         return _run_service(f"services.{argv[0]}", argv[1:])
     parser = argparse.ArgumentParser(prog="tollgate", description="Tollgate LLM gateway")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -157,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8080)
     up.add_argument("--nats-port", type=int, default=4222)
+    up.add_argument("--auth-port", type=int, default=8081)
     up.add_argument("--model", action="append", help="model to start a worker for (repeatable)")
     up.set_defaults(func=_up)
     models = sub.add_parser("models", help="the model catalog")
@@ -181,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     key_actions.add_parser("revoke", help="revoke a key at once").add_argument("key_id")
     keys.set_defaults(func=_keys)
     sub.add_parser("router", help="run the router (python -m services.router)")
+    sub.add_parser("auth", help="run the auth service (python -m services.auth)")
     sub.add_parser("worker", help="run a worker (python -m services.worker --model ID)")
     ns = parser.parse_args(argv)
     result: int = ns.func(ns)

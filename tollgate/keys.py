@@ -35,6 +35,13 @@ Algorithm = Literal["EdDSA", "RS256", "HS256"]
 BudgetPeriod = Literal["day", "month", "total"]
 
 
+def budget_window(period: str, now: float) -> str:
+    """The budget period a moment falls in: ``20261129`` (day), ``202611`` (month), ``total``."""
+    if period == "total":
+        return "total"
+    return time.strftime("%Y%m%d" if period == "day" else "%Y%m", time.gmtime(now))
+
+
 class KeyState(StrEnum):
     ACTIVE = "active"
     REVOKED = "revoked"
@@ -245,16 +252,50 @@ def strip_prefix(token: str) -> str:
     return token[len(TOKEN_PREFIX) :] if token.startswith(TOKEN_PREFIX) else token
 
 
-class KeyStore:
-    """The whitelist and the public signing keys in JetStream KV."""
+class AuditEvent(BaseModel):
+    """A change to the whitelist or the signing keys, on ``tg.audit.keys``."""
 
-    def __init__(self, js: Any) -> None:
+    type: Literal["tg.audit.v1"] = Field(default="tg.audit.v1", description="Contract type id.")
+    at: float = Field(default_factory=time.time, description="Unix time of the change.")
+    actor: str = Field(description="Who changed it (admin API, CLI user, service).")
+    action: str = Field(description="create, update, revoke, over_budget, rotate, retire, ...")
+    key_id: str | None = Field(default=None, description="The key changed, if any.")
+    kid: str | None = Field(default=None, description="The signing key changed, if any.")
+    record: dict[str, Any] | None = Field(
+        default=None, description="The record after the change (never a token)."
+    )
+
+
+AUDIT_STREAM = "TG_AUDIT"
+AUDIT_SUBJECT = "tg.audit.keys"
+
+
+class KeyStore:
+    """The whitelist and the public signing keys in JetStream KV.
+
+    Every change also goes to the audit stream.
+    """
+
+    def __init__(self, js: Any, actor: str = "tollgate") -> None:
         self.js = js
+        self.actor = actor
         self.keys: Any = None
         self.signing: Any = None
 
+    async def audit(self, action: str, **fields: Any) -> None:
+        event = AuditEvent(actor=self.actor, action=action, **fields)
+        await self.js.publish(AUDIT_SUBJECT, event.model_dump_json().encode())
+
     async def open(self) -> KeyStore:
-        from nats.js.api import KeyValueConfig, StorageType
+        from nats.js.api import KeyValueConfig, StorageType, StreamConfig
+        from nats.js.errors import BadRequestError
+
+        try:
+            await self.js.add_stream(
+                StreamConfig(name=AUDIT_STREAM, subjects=[AUDIT_SUBJECT], storage=StorageType.FILE)
+            )
+        except BadRequestError:
+            pass  # exists
 
         for attr, bucket in (("keys", KEYS_BUCKET), ("signing", SIGNING_BUCKET)):
             try:
@@ -266,8 +307,9 @@ class KeyStore:
             setattr(self, attr, kv)
         return self
 
-    async def put(self, record: KeyRecord) -> None:
+    async def put(self, record: KeyRecord, action: str = "update") -> None:
         await self.keys.put(record.key_id, record.model_dump_json().encode())
+        await self.audit(action, key_id=record.key_id, record=record.model_dump(mode="json"))
 
     async def get(self, key_id: str) -> KeyRecord | None:
         from nats.js.errors import KeyNotFoundError
@@ -296,11 +338,12 @@ class KeyStore:
             return None
         record.state = KeyState.REVOKED
         record.updated_at = time.time()
-        await self.put(record)
+        await self.put(record, "revoke")
         return record
 
-    async def publish_signing_key(self, key: SigningKey) -> None:
+    async def publish_signing_key(self, key: SigningKey, action: str = "publish") -> None:
         await self.signing.put(key.kid, key.model_dump_json().encode())
+        await self.audit(action, kid=key.kid)
 
 
 def write_secret(path: Path, text: str) -> None:
@@ -324,7 +367,7 @@ async def bootstrap(js: Any, var_dir: Path) -> str:
     signing = SigningKeySet(folder / "signing-keys.json")
     if signing.current is None:
         signing.generate("EdDSA")
-    store = await KeyStore(js).open()
+    store = await KeyStore(js, actor="tollgate up").open()
     for kid in signing.keys:
         await store.publish_signing_key(signing.public(kid))
     admin = folder / "admin-token"
@@ -337,6 +380,6 @@ async def bootstrap(js: Any, var_dir: Path) -> str:
         if await store.get(key_id) is not None:
             return token
     token, record = new_key(signing, tenant="demo", name="demo key")
-    await store.put(record)
+    await store.put(record, "create")
     write_secret(demo, token)
     return token

@@ -95,12 +95,14 @@ class Stack:
         host: str,
         port: int,
         nats_port: int,
+        auth_port: int,
         models: list[str],
     ) -> None:
         self.common = common
         self.host = host
         self.port = port
         self.nats_port = nats_port
+        self.auth_port = auth_port
         self.models = models
         self.var = common.var_dir.resolve()
         self.base_url = f"http://{host}:{port}/v1"
@@ -144,6 +146,7 @@ class Stack:
                 "TOLLGATE_VAR_DIR": str(self.var),
                 "TOLLGATE_ROUTER_HOST": self.host,
                 "TOLLGATE_ROUTER_PORT": str(self.port),
+                "TOLLGATE_AUTH_PORT": str(self.auth_port),
             }
         )
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -169,6 +172,7 @@ class Stack:
                 logs / "nats.log",
             ),
             Child("router", [sys.executable, "-m", "services.router"], env, logs / "router.log"),
+            Child("auth", [sys.executable, "-m", "services.auth"], env, logs / "auth.log"),
         ]
         for model in self.models:
             self.children.append(
@@ -176,18 +180,19 @@ class Stack:
                     f"worker {model}",
                     [sys.executable, "-m", "services.worker", "--model", model],
                     env,
-                    logs / f"worker-{len(self.children) - 1}.log",
+                    logs / f"worker-{len(self.children) - 2}.log",
                 )
             )
 
     async def run(self, out: IO[str]) -> int:
-        for what, port in (("router", self.port), ("NATS", self.nats_port)):
-            if not port_free("127.0.0.1" if what == "NATS" else self.host, port):
-                print(
-                    f"Port {port} for the {what} is in use; choose another "
-                    f"({'--port' if what == 'router' else '--nats-port'}).",
-                    file=out,
-                )
+        ports = (
+            ("router", self.host, self.port, "--port"),
+            ("NATS", "127.0.0.1", self.nats_port, "--nats-port"),
+            ("auth admin API", "127.0.0.1", self.auth_port, "--auth-port"),
+        )
+        for what, host, port, flag in ports:
+            if not port_free(host, port):
+                print(f"Port {port} for the {what} is in use; choose another ({flag}).", file=out)
                 return 1
         self.plan()
         stop = asyncio.Event()

@@ -18,11 +18,12 @@ from typing import Any
 
 from aiohttp import web
 
-from services.router.errors import ModelNotFound, TollgateError
+from services.router.errors import ModelNotFound, QuotaExceeded, TollgateError
 from tollgate.catalog import ModelEntry
 from tollgate.keys import (
     InvalidToken,
     KeyRecord,
+    KeyState,
     KeyStore,
     SigningKey,
     TokenVerifier,
@@ -134,7 +135,14 @@ class KeyMirror:
         except InvalidToken:
             raise self._incorrect() from None
         record = self.records.get(str(claims["jti"]))
-        if record is None or record.tenant != claims["sub"] or not record.usable(time.time()):
+        if record is None or record.tenant != claims["sub"]:
+            raise self._incorrect()
+        if record.state is KeyState.OVER_BUDGET:
+            raise QuotaExceeded(
+                "You exceeded your current quota: this key's token budget is spent "
+                f"for this {record.budget_period or 'period'}."
+            )
+        if not record.usable(time.time()):
             raise self._incorrect()
         return Principal(record.key_id, record.tenant, record)
 

@@ -83,6 +83,18 @@ class UnsupportedMediaType(TollgateError):
     code = "unsupported_media_type"
 
 
+class RateLimited(TollgateError):
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+
+class QuotaExceeded(TollgateError):
+    status = 429
+    type = "insufficient_quota"
+    code = "insufficient_quota"
+
+
 class ServiceUnavailable(TollgateError):
     status = 503
     type = "service_unavailable"

@@ -25,31 +25,13 @@ from typing import Any
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from services.router.errors import TollgateError
-from tollgate.keys import KeyRecord
+from services.router.errors import QuotaExceeded, RateLimited
+from tollgate.keys import KeyRecord, budget_window
 
 log = logging.getLogger("tollgate.router.limits")
 
 RATE_BUCKET = "tg_ratelimits"
 BUDGET_BUCKET = "tg_budgets"
-
-
-class RateLimited(TollgateError):
-    status = 429
-    type = "requests"
-    code = "rate_limit_exceeded"
-
-
-class QuotaExceeded(TollgateError):
-    status = 429
-    type = "insufficient_quota"
-    code = "insufficient_quota"
-
-
-def budget_window(period: str, now: float) -> str:
-    if period == "total":
-        return "total"
-    return time.strftime("%Y%m%d" if period == "day" else "%Y%m", time.gmtime(now))
 
 
 @dataclass

@@ -17,7 +17,7 @@ from tests.conftest import SIM_MODEL, free_port
 def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
     var_dir: Path, prepared_model: Path, tmp_path: Path
 ) -> None:
-    port, nats_port = free_port(), free_port()
+    port, nats_port, auth_port = free_port(), free_port(), free_port()
     env = {
         **os.environ,
         "TOLLGATE_CATALOG": str(var_dir / "models.toml"),
@@ -33,6 +33,8 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
         str(port),
         "--nats-port",
         str(nats_port),
+        "--auth-port",
+        str(auth_port),
         "--model",
         SIM_MODEL,
     ]
@@ -76,7 +78,7 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
     assert up.returncode == 0, rest
     assert "Stopped." in rest
     # every child is gone: the ports are free again
-    for p in (port, nats_port):
+    for p in (port, nats_port, auth_port):
         try:
             httpx.get(f"http://127.0.0.1:{p}/", timeout=1)
             raise AssertionError(f"port {p} still answers")

@@ -1,0 +1,1 @@
+"""The auth service: key lifecycle (admin API), audit, and budget accounting."""

@@ -1,0 +1,71 @@
+"""Key lifecycle: the logic behind the admin API."""
+
+from __future__ import annotations
+
+import time
+
+from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
+from tollgate.keys import KeyRecord, KeyState, KeyStore, SigningKey, SigningKeySet, new_key
+
+
+class NotFoundError(Exception):
+    pass
+
+
+class KeyAdmin:
+    def __init__(self, store: KeyStore, signing: SigningKeySet) -> None:
+        self.store = store
+        self.signing = signing
+
+    async def create(self, spec: CreateKey) -> tuple[str, KeyRecord]:
+        limits = spec.model_dump(exclude={"tenant", "name", "models", "ttl_s"})
+        token, record = new_key(
+            self.signing,
+            tenant=spec.tenant,
+            name=spec.name,
+            models=spec.models,
+            ttl_s=spec.ttl_s,
+            **limits,
+        )
+        await self.store.put(record, "create")
+        return token, record
+
+    async def get(self, key_id: str) -> KeyRecord:
+        record = await self.store.get(key_id)
+        if record is None:
+            raise NotFoundError(key_id)
+        return record
+
+    async def list(self) -> list[KeyRecord]:
+        return sorted(await self.store.all(), key=lambda r: r.created_at)
+
+    async def update(self, key_id: str, change: UpdateKey) -> KeyRecord:
+        record = await self.get(key_id)
+        fields = change.model_dump(exclude_unset=True)
+        updated = KeyRecord.model_validate(
+            {**record.model_dump(), **fields, "updated_at": time.time()}
+        )
+        await self.store.put(updated, "update")
+        return updated
+
+    async def revoke(self, key_id: str) -> KeyRecord:
+        await self.get(key_id)
+        record = await self.store.revoke(key_id)
+        assert record is not None and record.state is KeyState.REVOKED
+        return record
+
+    async def rotate(self, spec: RotateSigningKey) -> SigningKey:
+        """A new key signs from now on; tokens of older keys verify until retired."""
+        key = self.signing.generate(spec.alg)
+        await self.store.publish_signing_key(key, "rotate")
+        return key
+
+    async def retire(self, kid: str) -> SigningKey:
+        if kid not in self.signing.keys:
+            raise NotFoundError(kid)
+        if kid == self.signing.current:
+            raise ValueError("the current signing key cannot be retired; rotate first")
+        key = self.signing.public(kid)
+        key.retired = True
+        await self.store.publish_signing_key(key, "retire")
+        return key

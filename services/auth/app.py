@@ -1,0 +1,161 @@
+"""Auth service factory: the admin API plus the budget ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from services.auth.admin import KeyAdmin, NotFoundError
+from services.auth.ledger import BudgetLedger
+from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
+from services.auth.settings import AuthSettings
+from tollgate import bus
+from tollgate.keys import KeyStore, SigningKeySet, auth_dir
+from tollgate.settings import CommonSettings
+
+log = logging.getLogger("tollgate.auth")
+
+ADMIN = web.AppKey("admin", KeyAdmin)
+LEDGER = web.AppKey("ledger", BudgetLedger)
+ADMIN_TOKEN = web.AppKey("admin_token", str)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str, code: str | None = None) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def _json(value: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(value), content_type="application/json")
+
+
+@web.middleware
+async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Admin credential (constant-time compare) and OpenAI-shaped errors."""
+    if request.path.startswith("/admin/"):
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), request.app[ADMIN_TOKEN].encode()):
+            return _error(401, "A valid admin credential is required.", "invalid_admin_key")
+    try:
+        return await handler(request)
+    except NotFoundError:
+        return _error(404, "No such key.", "not_found")
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return _error(400, f"Invalid value for '{where}': {first['msg']}.", "invalid_request")
+    except ValueError as exc:
+        return _error(400, str(exc), "invalid_request")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, exc.reason)
+    except Exception:
+        log.exception("admin request failed")
+        return _error(500, "The auth service had an error.")
+
+
+async def _body(request: web.Request, model: type[BaseModel]) -> Any:
+    try:
+        data = orjson.loads(await request.read() or b"{}")
+    except orjson.JSONDecodeError:
+        raise ValueError("The body must be valid JSON.") from None
+    return model.model_validate(data)
+
+
+async def create_key(request: web.Request) -> web.Response:
+    token, record = await request.app[ADMIN].create(await _body(request, CreateKey))
+    # The token is returned once, here, and stored nowhere.
+    return _json({"key": token, "record": record.model_dump(mode="json")}, status=201)
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    records = await request.app[ADMIN].list()
+    return _json({"data": [r.model_dump(mode="json") for r in records]})
+
+
+async def show_key(request: web.Request) -> web.Response:
+    record = await request.app[ADMIN].get(request.match_info["key_id"])
+    return _json(record.model_dump(mode="json"))
+
+
+async def update_key(request: web.Request) -> web.Response:
+    change = await _body(request, UpdateKey)
+    record = await request.app[ADMIN].update(request.match_info["key_id"], change)
+    return _json(record.model_dump(mode="json"))
+
+
+async def revoke_key(request: web.Request) -> web.Response:
+    record = await request.app[ADMIN].revoke(request.match_info["key_id"])
+    return _json(record.model_dump(mode="json"))
+
+
+async def rotate_signing_key(request: web.Request) -> web.Response:
+    key = await request.app[ADMIN].rotate(await _body(request, RotateSigningKey))
+    return _json(key.model_dump(mode="json"), status=201)
+
+
+async def retire_signing_key(request: web.Request) -> web.Response:
+    key = await request.app[ADMIN].retire(request.match_info["kid"])
+    return _json(key.model_dump(mode="json"))
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+def create_app(settings: AuthSettings, common: CommonSettings) -> web.Application:
+    folder = auth_dir(common.var_dir)
+    token = (
+        settings.admin_token.get_secret_value()
+        if settings.admin_token is not None
+        else (folder / "admin-token").read_text().strip()
+    )
+    app = web.Application(middlewares=[guard])
+    app[ADMIN_TOKEN] = token
+
+    async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
+        nc = await bus.connect(common.nats_url, name="auth")
+        js = nc.jetstream()
+        store = await KeyStore(js, actor="admin-api").open()
+        signing = SigningKeySet(settings.signing_keys_file or folder / "signing-keys.json")
+        if signing.current is None:
+            await store.publish_signing_key(signing.generate("EdDSA"), "rotate")
+        app[ADMIN] = KeyAdmin(store, signing)
+        ledger = BudgetLedger(
+            js, KeyStore(js, actor="budget-ledger"), common.subjects, settings.reactivate_every_s
+        )
+        await ledger.open()
+        ledger.store = await ledger.store.open()
+        app[LEDGER] = ledger
+        task = asyncio.create_task(ledger.run())
+        log.info("auth service ready")
+        yield
+        ledger.stop()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), 3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await bus.close(nc)
+
+    app.cleanup_ctx.append(nats_ctx)
+    app.router.add_post("/admin/keys", create_key)
+    app.router.add_get("/admin/keys", list_keys)
+    app.router.add_get("/admin/keys/{key_id}", show_key)
+    app.router.add_patch("/admin/keys/{key_id}", update_key)
+    app.router.add_delete("/admin/keys/{key_id}", revoke_key)
+    app.router.add_post("/admin/signing-keys/rotate", rotate_signing_key)
+    app.router.add_post("/admin/signing-keys/{kid}/retire", retire_signing_key)
+    app.router.add_get("/healthz", healthz)
+    return app

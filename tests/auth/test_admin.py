@@ -1,0 +1,174 @@
+"""The admin API on a running stack: key lifecycle, audit, rotation, budgets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import SIM_MODEL, SLOW_MODEL, Stack
+from tests.router.test_auth import wait_status
+from tollgate import bus
+from tollgate.keys import AUDIT_STREAM, auth_dir
+
+pytestmark = pytest.mark.usefixtures("sim_workers")
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def admin(stack: Stack, api_key: str) -> httpx.Client:
+    _, base = stack.auth(TOLLGATE_AUTH_REACTIVATE_EVERY_S="0.5")
+    token = (auth_dir(stack.var_dir) / "admin-token").read_text().strip()
+    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+
+
+def chat(router_url: str, token: str, **body: object) -> httpx.Response:
+    return httpx.post(
+        f"{router_url}{CHAT}",
+        json={**BODY, **body},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=30,
+    )
+
+
+def test_admin_credential_is_required(admin: httpx.Client) -> None:
+    base = str(admin.base_url).rstrip("/")
+    assert httpx.get(f"{base}/admin/keys", timeout=5).status_code == 401
+    wrong = httpx.get(
+        f"{base}/admin/keys", headers={"Authorization": "Bearer tga-wrong"}, timeout=5
+    )
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_admin_key"
+
+
+def test_bad_admin_input_is_a_clear_400(admin: httpx.Client) -> None:
+    r = admin.post("/admin/keys", json={"tenant": "", "rpm": 0})
+    assert r.status_code == 400 and "tenant" in r.json()["error"]["message"]
+    r = admin.post("/admin/keys", content=b"{nope")
+    assert r.status_code == 400
+    assert admin.get("/admin/keys/nope").status_code == 404
+
+
+async def test_key_lifecycle_reaches_the_router(
+    admin: httpx.Client, router_url: str, stack: Stack
+) -> None:
+    created = admin.post("/admin/keys", json={"tenant": "acme", "name": "ci", "ttl_s": 3600})
+    assert created.status_code == 201
+    token, record = created.json()["key"], created.json()["record"]
+    assert token.startswith("tg-") and record["state"] == "active"
+    await wait_status(router_url, token, 200)
+    assert chat(router_url, token).status_code == 200
+
+    listed = admin.get("/admin/keys").json()["data"]
+    assert record["key_id"] in [r["key_id"] for r in listed]
+    assert token not in admin.get("/admin/keys").text  # the token is never stored
+
+    changed = admin.patch(f"/admin/keys/{record['key_id']}", json={"models": [SLOW_MODEL]})
+    assert changed.json()["models"] == [SLOW_MODEL]
+    deadline = time.monotonic() + 5
+    while chat(router_url, token).status_code != 404:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+
+    assert admin.delete(f"/admin/keys/{record['key_id']}").json()["state"] == "revoked"
+    await wait_status(router_url, token, 401)
+
+    actions = await audit_actions(stack, record["key_id"])
+    assert actions[:3] == ["create", "update", "revoke"]
+
+
+async def audit_actions(stack: Stack, key_id: str) -> list[str]:
+    nc = await bus.connect(stack.nats.url, "test-audit")
+    try:
+        js = nc.jetstream()
+        sub = await js.subscribe("tg.audit.keys", stream=AUDIT_STREAM, ordered_consumer=True)
+        actions = []
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1)
+            except Exception:
+                break
+            event = orjson.loads(msg.data)
+            if event.get("key_id") == key_id:
+                actions.append(event["action"])
+                assert "tg-" not in msg.data.decode()  # no token in the audit trail
+        return actions
+    finally:
+        await nc.close()
+
+
+async def test_rotation_and_retirement(admin: httpx.Client, router_url: str, api_key: str) -> None:
+    first = admin.post("/admin/signing-keys/rotate", json={})
+    assert first.status_code == 201
+    middle_kid = first.json()["kid"]
+    token = admin.post("/admin/keys", json={"tenant": "rot"}).json()["key"]
+    await wait_status(router_url, token, 200)
+    second = admin.post("/admin/signing-keys/rotate", json={"alg": "RS256"})
+    newest = admin.post("/admin/keys", json={"tenant": "rot"}).json()["key"]
+    await wait_status(router_url, newest, 200)
+    assert second.json()["alg"] == "RS256"
+    # the key signed by the middle signing key still works until that key is retired
+    assert chat(router_url, token).status_code == 200
+    assert admin.post(f"/admin/signing-keys/{second.json()['kid']}/retire").status_code == 400
+    assert admin.post(f"/admin/signing-keys/{middle_kid}/retire").status_code == 200
+    await wait_status(router_url, token, 401)
+    assert chat(router_url, newest).status_code == 200
+    assert chat(router_url, api_key).status_code == 200  # older signing key, not retired
+
+
+async def spend_of(stack: Stack, key: str) -> int:
+    nc = await bus.connect(stack.nats.url, "test-spend")
+    try:
+        entry = await (await nc.jetstream().key_value("tg_spend")).get(key)
+        return int(orjson.loads(entry.value or b"{}")["tokens"])
+    finally:
+        await nc.close()
+
+
+async def test_ledger_counts_usage_once_and_marks_the_key_over_budget(
+    admin: httpx.Client, router_url: str, stack: Stack
+) -> None:
+    created = admin.post(
+        "/admin/keys", json={"tenant": "budget", "budget_tokens": 1000, "budget_period": "day"}
+    ).json()
+    token, key_id = created["key"], created["record"]["key_id"]
+    await wait_status(router_url, token, 200)
+    billed = 0
+    for _ in range(3):
+        r = chat(router_url, token)
+        assert r.status_code == 200, r.text
+        billed += r.json()["usage"]["total_tokens"]
+    key = f"{key_id}.{time.strftime('%Y%m%d', time.gmtime())}"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if await spend_of(stack, key) == billed:
+                break
+        except Exception:
+            pass
+        assert time.monotonic() < deadline, "the ledger did not count the usage"
+        await asyncio.sleep(0.05)
+
+    # An admin lowers the budget below what was spent: the key is over budget.
+    admin.patch(f"/admin/keys/{key_id}", json={"budget_tokens": billed - 1})
+    deadline = time.monotonic() + 10
+    while (r := chat(router_url, token)).status_code != 429:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    assert r.json()["error"]["code"] == "insufficient_quota"
+    while admin.get(f"/admin/keys/{key_id}").json()["state"] != "over_budget":
+        assert time.monotonic() < deadline, "the ledger did not mark the key"
+        await asyncio.sleep(0.1)
+
+    # Raised again: active, and the spend was counted once, not per retry.
+    admin.patch(f"/admin/keys/{key_id}", json={"budget_tokens": 100_000})
+    deadline = time.monotonic() + 10
+    while chat(router_url, token).status_code != 200:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    assert admin.get(f"/admin/keys/{key_id}").json()["state"] == "active"
+    assert await spend_of(stack, key) >= billed
