@@ -21,10 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from bench import procs as P
-from bench.load import run_load
+from bench.load import RunStats, run_load
 from services.worker.vllm_engine import build_engine_argv
 from tollgate.catalog import load_catalog
 from tollgate.modelprep import prepare_model
@@ -73,7 +74,7 @@ def chat_bodies(n: int, max_tokens: int) -> list[dict[str, Any]]:
     ]
 
 
-def greedy_outputs(url: str) -> list[str]:
+def greedy_outputs(url: str, headers: dict[str, str] | None = None) -> list[str]:
     """Non-streaming greedy replies to every prompt, to compare the two servers."""
     outputs = []
     for prompt in PROMPTS:
@@ -83,16 +84,18 @@ def greedy_outputs(url: str) -> list[str]:
             "max_tokens": 32,
             "temperature": 0,
         }
-        reply = httpx.post(url, json=body, timeout=120).json()
+        reply = httpx.post(url, json=body, headers=headers, timeout=120).json()
         outputs.append(reply["choices"][0]["message"]["content"])
     return outputs
 
 
-def measure_streaming(url: str, quick: bool) -> dict[str, dict[str, float]]:
-    asyncio.run(run_load(url, chat_bodies(8, 16), 4))  # warm-up
+def measure_streaming(
+    url: str, quick: bool, headers: dict[str, str] | None = None
+) -> dict[str, dict[str, float]]:
+    asyncio.run(run_load(url, chat_bodies(8, 16), 4, headers=headers))  # warm-up
     results = {}
     for concurrency, count in ((1, 8 if quick else 16), (16, 32 if quick else 64)):
-        stats = asyncio.run(run_load(url, chat_bodies(count, 64), concurrency))
+        stats = asyncio.run(run_load(url, chat_bodies(count, 64), concurrency, headers=headers))
         results[f"c{concurrency}"] = stats.summary()
         print(f"  c={concurrency}: {json.dumps(results[f'c{concurrency}'])}", flush=True)
     return results
@@ -128,12 +131,13 @@ def bench_inference(work: Path, env: dict[str, str], quick: bool) -> dict[str, A
     print("inference: Tollgate (router + NATS + worker)", flush=True)
     with P.processes(work, env) as procs:
         nats = P.start_nats(procs)
+        headers = P.api_key(nats, work)
         base = P.start_router(procs, nats)
         started = time.monotonic()
         P.start_worker(procs, nats, REAL)
         out["tollgate_start_s"] = time.monotonic() - started
-        out["tollgate"] = measure_streaming(f"{base}/v1/chat/completions", quick)
-        ours = greedy_outputs(f"{base}/v1/chat/completions")
+        out["tollgate"] = measure_streaming(f"{base}/v1/chat/completions", quick, headers)
+        ours = greedy_outputs(f"{base}/v1/chat/completions", headers)
     out["identical_outputs"] = sum(a == b for a, b in zip(vllm_outputs, ours, strict=True))
     out["compared_outputs"] = len(ours)
     return out
@@ -143,20 +147,46 @@ def sim_body() -> dict[str, Any]:
     return {"model": SIM, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
 
-def sweep(url: str, quick: bool) -> dict[str, Any]:
-    n = 200 if quick else 500
-    single = asyncio.run(run_load(url, [sim_body()] * n, 1, stream=False)).summary()
-    levels = []
-    for concurrency in (1, 2, 4, 8, 16, 32):
-        stats = asyncio.run(run_load(url, [sim_body()] * (n // 2), concurrency, stream=False))
-        levels.append({"concurrency": concurrency, **stats.summary()})
-    within = [lv["requests_per_s"] for lv in levels if lv["latency_p99_ms"] <= 50]
-    return {"c1": single, "levels": levels, "rate_at_p99_50ms": max(within, default=0.0)}
+LEVELS = (1, 2, 4, 8, 16, 32)
+
+
+def interleaved_sweeps(
+    targets: dict[str, tuple[str, dict[str, str] | None]], quick: bool, rounds: int = 3
+) -> dict[str, Any]:
+    """Measure every target at every concurrency, alternating targets round by round.
+
+    Alternating spreads any drift of this shared 2-core machine over all
+    targets alike; each figure merges the samples of all rounds.
+    """
+    n = 100 if quick else 200
+    merged: dict[tuple[str, int], RunStats] = {}
+    for url, headers in targets.values():  # warm-up
+        asyncio.run(run_load(url, [sim_body()] * 50, 4, stream=False, headers=headers))
+    for _ in range(rounds):
+        for concurrency in LEVELS:
+            for name, (url, headers) in targets.items():
+                count = n * 2 if concurrency == 1 else n
+                stats = asyncio.run(
+                    run_load(url, [sim_body()] * count, concurrency, stream=False, headers=headers)
+                )
+                into = merged.setdefault((name, concurrency), RunStats())
+                into.samples += stats.samples
+                into.errors += stats.errors
+                into.wall += stats.wall
+    out: dict[str, Any] = {}
+    for name in targets:
+        levels = [{"concurrency": c, **merged[(name, c)].summary()} for c in LEVELS]
+        within = [lv["requests_per_s"] for lv in levels if lv["latency_p99_ms"] <= 50]
+        out[name] = {
+            "c1": levels[0],
+            "levels": levels,
+            "rate_at_p99_50ms": max(within, default=0.0),
+        }
+    return out
 
 
 def bench_gateway(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    print("gateway: simulated engine, direct (baseline)", flush=True)
+    print("gateway: simulated engine direct, through Tollgate, and with auth off", flush=True)
     with P.processes(work, env) as procs:
         port = P.free_port()
         procs.spawn(
@@ -171,21 +201,65 @@ def bench_gateway(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any
                 str(port),
             ],
         )
-        P.wait_http(f"http://127.0.0.1:{port}/readyz", 120)
-        asyncio.run(
-            run_load(
-                f"http://127.0.0.1:{port}/v1/chat/completions", [sim_body()] * 50, 4, stream=False
-            )
-        )
-        out["direct"] = sweep(f"http://127.0.0.1:{port}/v1/chat/completions", quick)
-    print("gateway: simulated engine through Tollgate", flush=True)
-    with P.processes(work, env) as procs:
         nats = P.start_nats(procs)
+        headers = P.api_key(nats, work)
         base = P.start_router(procs, nats)
+        open_base = P.start_router(procs, nats, TOLLGATE_ROUTER_AUTH="false")
         P.start_worker(procs, nats, SIM)
-        asyncio.run(run_load(f"{base}/v1/chat/completions", [sim_body()] * 50, 4, stream=False))
-        out["tollgate"] = sweep(f"{base}/v1/chat/completions", quick)
+        P.wait_http(f"http://127.0.0.1:{port}/readyz", 120)
+        out = interleaved_sweeps(
+            {
+                "direct": (f"http://127.0.0.1:{port}/v1/chat/completions", None),
+                "tollgate": (f"{base}/v1/chat/completions", headers),
+                "tollgate_auth_off": (f"{open_base}/v1/chat/completions", None),
+            },
+            quick,
+        )
+        print("auth: revocation propagation to two routers", flush=True)
+        second = P.start_router(procs, nats)
+        out["revocation_ms"] = revocation_times(nats, work, [base, second], quick)
     return out
+
+
+def revocation_times(nats: str, work: Path, routers: list[str], quick: bool) -> list[float]:
+    """Revoke keys one by one; time until every auth-on router refuses each."""
+    from tollgate import bus
+    from tollgate.keys import KeyStore, SigningKeySet, auth_dir, new_key
+
+    async def run() -> list[float]:
+        nc = await bus.connect(nats, "bench-revoke")
+        store = await KeyStore(nc.jetstream(), actor="bench").open()
+        signing = SigningKeySet(auth_dir(work) / "signing-keys.json")
+        times = []
+        async with aiohttp.ClientSession() as http:
+
+            async def refused(url: str, token: str, started: float) -> float:
+                while True:
+                    async with http.get(
+                        f"{url}/v1/models", headers={"Authorization": f"Bearer {token}"}
+                    ) as resp:
+                        if resp.status == 401:
+                            return time.perf_counter() - started
+                    await asyncio.sleep(0)
+
+            for _ in range(20 if quick else 50):
+                token, record = new_key(signing, tenant="bench")
+                await store.put(record, "create")
+                for url in routers:  # wait until every router knows the key
+                    while True:
+                        async with http.get(
+                            f"{url}/v1/models", headers={"Authorization": f"Bearer {token}"}
+                        ) as resp:
+                            if resp.status == 200:
+                                break
+                started = time.perf_counter()
+                await store.revoke(record.key_id)
+                spans = await asyncio.gather(*(refused(u, token, started) for u in routers))
+                times.append(1000 * max(spans))
+        await nc.close()
+        return times
+
+    return asyncio.run(run())
 
 
 def main() -> None:

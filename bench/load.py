@@ -97,6 +97,7 @@ async def run_load(
     concurrency: int,
     *,
     stream: bool = True,
+    headers: dict[str, str] | None = None,
 ) -> RunStats:
     """Send ``bodies`` with at most ``concurrency`` in flight; collect samples."""
     stats = RunStats()
@@ -106,7 +107,7 @@ async def run_load(
     connector = aiohttp.TCPConnector(limit=concurrency * 2)
     timeout = aiohttp.ClientTimeout(total=600)
     call = stream_chat if stream else post_json
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as http:
 
         async def worker() -> None:
             while not queue.empty():

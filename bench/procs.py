@@ -17,6 +17,7 @@ import httpx
 
 from tollgate import bus, codec
 from tollgate.contracts import WorkerHeartbeat, WorkerState
+from tollgate.keys import bootstrap
 from tollgate.supervisor import nats_server_binary
 
 
@@ -35,9 +36,9 @@ class Procs:
         self.env = {**os.environ, **env}
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, argv: list[str], **env: str) -> subprocess.Popen[bytes]:
         log = (self.workdir / f"{name}.log").open("wb")
-        proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc
 
@@ -89,10 +90,25 @@ def start_nats(procs: Procs) -> str:
     raise TimeoutError("nats-server did not start")
 
 
+def api_key(nats_url: str, workdir: Path) -> dict[str, str]:
+    """Signing key and a key as `tollgate up` makes them; the header to send."""
+
+    async def make() -> str:
+        nc = await bus.connect(nats_url, "bench-keys")
+        try:
+            return await bootstrap(nc.jetstream(), workdir)
+        finally:
+            await nc.close()
+
+    return {"Authorization": f"Bearer {asyncio.run(make())}"}
+
+
 def start_router(procs: Procs, nats_url: str, **env: str) -> str:
     port = free_port()
-    procs.env.update(TOLLGATE_NATS_URL=nats_url, **env)
-    procs.spawn("router", [sys.executable, "-m", "services.router", "--port", str(port)])
+    procs.env["TOLLGATE_NATS_URL"] = nats_url
+    procs.spawn(
+        f"router-{port}", [sys.executable, "-m", "services.router", "--port", str(port)], **env
+    )
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/readyz", 30)
     return base

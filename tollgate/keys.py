@@ -113,12 +113,19 @@ class TokenVerifier:
     with a public key) fail because the header's algorithm is not the key's.
     """
 
+    # Verified tokens, so a signature is checked once, not on every call. A
+    # token cannot change, and the cache is emptied whenever a signing key
+    # changes; expiry is checked again on every use.
+    CACHE_SIZE = 50_000
+
     def __init__(self, hs256_secrets: dict[str, str] | None = None) -> None:
         self._keys: dict[str, tuple[str, Any]] = {
             kid: ("HS256", secret.encode()) for kid, secret in (hs256_secrets or {}).items()
         }
+        self._verified: dict[str, dict[str, Any]] = {}
 
     def set_key(self, key: SigningKey) -> None:
+        self._verified.clear()
         if key.retired or key.alg == "HS256" or key.public_pem is None:
             if key.alg != "HS256":
                 self._keys.pop(key.kid, None)
@@ -127,6 +134,7 @@ class TokenVerifier:
         self._keys[key.kid] = (key.alg, public)
 
     def remove(self, kid: str) -> None:
+        self._verified.clear()
         self._keys.pop(kid, None)
 
     @property
@@ -134,6 +142,18 @@ class TokenVerifier:
         return set(self._keys)
 
     def verify(self, token: str) -> dict[str, Any]:
+        cached = self._verified.get(token)
+        if cached is not None:
+            if "exp" in cached and time.time() >= cached["exp"]:
+                raise InvalidToken("ExpiredSignatureError")
+            return cached
+        claims = self._verify(token)
+        if len(self._verified) >= self.CACHE_SIZE:
+            self._verified.clear()
+        self._verified[token] = claims
+        return claims
+
+    def _verify(self, token: str) -> dict[str, Any]:
         try:
             header = jwt.get_unverified_header(token)
         except jwt.PyJWTError:

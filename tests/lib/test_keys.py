@@ -131,3 +131,22 @@ def test_record_model_globs_and_usability() -> None:
     assert record.usable(now)
     assert not record.model_copy(update={"expires_at": now - 1}).usable(now)
     assert not record.model_copy(update={"state": KeyState.REVOKED}).usable(now)
+
+
+def test_cached_verification_still_expires_and_forgets_retired_keys(tmp_path: Path) -> None:
+    keys = SigningKeySet(tmp_path / "s.json")
+    keys.generate("EdDSA")
+    verifier = verifier_for(keys)
+    soon = keys.sign({"jti": "x", "sub": "t", "iat": 1, "exp": int(time.time()) + 1})
+    assert verifier.verify(soon)["jti"] == "x"
+    assert verifier.verify(soon)["jti"] == "x"  # served from the cache
+    time.sleep(1.1)
+    with pytest.raises(InvalidToken):
+        verifier.verify(soon)
+    token, _ = new_key(keys, tenant="t")
+    verifier.verify(strip_prefix(token))
+    retired = keys.public(keys.current or "")
+    retired.retired = True
+    verifier.set_key(retired)
+    with pytest.raises(InvalidToken):
+        verifier.verify(strip_prefix(token))
