@@ -378,7 +378,7 @@ def auth_dir(var_dir: Path) -> Path:
     return var_dir / "auth"
 
 
-async def bootstrap(js: Any, var_dir: Path) -> str:
+async def bootstrap(js: Any, var_dir: Path, alg: Algorithm = "EdDSA") -> str:
     """First start of the embedded stack: signing key, admin credential, demo key.
 
     Idempotent: later starts reuse what ``var/auth`` holds. Returns the demo key.
@@ -386,7 +386,7 @@ async def bootstrap(js: Any, var_dir: Path) -> str:
     folder = auth_dir(var_dir)
     signing = SigningKeySet(folder / "signing-keys.json")
     if signing.current is None:
-        signing.generate("EdDSA")
+        signing.generate(alg)
     store = await KeyStore(js, actor="tollgate up").open()
     for kid in signing.keys:
         await store.publish_signing_key(signing.public(kid))

@@ -25,7 +25,7 @@ import aiohttp
 
 from tollgate import bus, codec
 from tollgate.contracts import WorkerHeartbeat, WorkerState
-from tollgate.keys import bootstrap
+from tollgate.keys import SigningKeySet, bootstrap
 from tollgate.settings import CommonSettings
 
 
@@ -230,11 +230,20 @@ class Stack:
 
     async def _bootstrap(self) -> str:
         """Signing key, admin credential and demo key on first start (kept in var/auth)."""
+        alg = os.environ.get("TOLLGATE_AUTH_ALGORITHM", "EdDSA")
+        if alg not in ("EdDSA", "RS256", "HS256"):
+            raise SystemExit(f"TOLLGATE_AUTH_ALGORITHM must be EdDSA, RS256 or HS256, not {alg!r}")
         nc = await bus.connect(f"nats://127.0.0.1:{self.nats_port}", name="tollgate-up")
         try:
-            return await bootstrap(nc.jetstream(), self.var)
+            token = await bootstrap(nc.jetstream(), self.var, alg)  # type: ignore[arg-type]
         finally:
             await bus.close(nc)
+        # HS256 secrets never travel on the bus: routers get them from their settings.
+        secrets = SigningKeySet(self.var / "auth" / "signing-keys.json").hs256_secrets()
+        if secrets:
+            for child in self.children:
+                child.env["TOLLGATE_ROUTER_HS256_SECRETS"] = json.dumps(secrets)
+        return token
 
     async def _restart(self, child: Child, out: IO[str]) -> None:
         code = child.proc.returncode if child.proc else None

@@ -131,7 +131,7 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
         store = await KeyStore(js, actor="admin-api").open()
         signing = SigningKeySet(settings.signing_keys_file or folder / "signing-keys.json")
         if signing.current is None:
-            await store.publish_signing_key(signing.generate("EdDSA"), "rotate")
+            await store.publish_signing_key(signing.generate(settings.algorithm), "rotate")
         app[ADMIN] = KeyAdmin(store, signing)
         ledger = BudgetLedger(
             js, KeyStore(js, actor="budget-ledger"), common.subjects, settings.reactivate_every_s
