@@ -191,33 +191,26 @@ class Stack:
         self.services.append(service)
         return service
 
-    def router(self, **env: str) -> tuple[Service, str]:
+    def _serve(self, name: str, module: str, probe: str, **env: str) -> tuple[Service, str]:
+        """Start an HTTP service on a free port and wait until ``probe`` answers 200."""
         port = free_port()
-        service = self.spawn("router", ["-m", "services.router", "--port", str(port)], **env)
+        service = self.spawn(name, ["-m", module, "--port", str(port)], **env)
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                if httpx.get(f"{base}{probe}", timeout=1).status_code == 200:
                     return service, base
             if service.proc.poll() is not None:
-                raise RuntimeError(f"router exited:\n{service.log_text()}")
+                raise RuntimeError(f"{name} exited:\n{service.log_text()}")
             time.sleep(0.1)
-        raise TimeoutError("router not ready")
+        raise TimeoutError(f"{name} not ready")
+
+    def router(self, **env: str) -> tuple[Service, str]:
+        return self._serve("router", "services.router", "/readyz", **env)
 
     def auth(self, **env: str) -> tuple[Service, str]:
-        port = free_port()
-        service = self.spawn("auth", ["-m", "services.auth", "--port", str(port)], **env)
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    return service, base
-            if service.proc.poll() is not None:
-                raise RuntimeError(f"auth service exited:\n{service.log_text()}")
-            time.sleep(0.1)
-        raise TimeoutError("auth service not ready")
+        return self._serve("auth", "services.auth", "/healthz", **env)
 
     def worker(self, model: str, **env: str) -> Service:
         return self.spawn(f"worker-{model}", ["-m", "services.worker", "--model", model], **env)

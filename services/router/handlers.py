@@ -64,8 +64,7 @@ def _principal(request: web.Request) -> Principal | None:
     return request.app[KEYS].authenticate(request)
 
 
-def _visible(request: web.Request, entry: ModelEntry) -> bool:
-    principal = _principal(request)
+def _visible(principal: Principal | None, entry: ModelEntry) -> bool:
     return principal is None or principal.record.allows(entry.names)
 
 
@@ -208,14 +207,16 @@ def _model_card(entry: ModelEntry, created: int) -> dict[str, Any]:
 async def list_models(request: web.Request) -> web.Response:
     created = request.app[STARTED_AT]
     entries = request.app[CATALOG].models.values()
-    data = [_model_card(e, created) for e in entries if _visible(request, e)]
+    principal = _principal(request)
+    data = [_model_card(e, created) for e in entries if _visible(principal, e)]
     return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
 
 async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     entry = request.app[CATALOG].resolve(name)
-    if entry is None or not _visible(request, entry):
+    principal = _principal(request)  # 401 comes before 404
+    if entry is None or not _visible(principal, entry):
         return error_response(ModelNotFound(name))
     return web.json_response(_model_card(entry, request.app[STARTED_AT]), dumps=_dumps)
 

@@ -122,36 +122,11 @@ class Limiter:
         reset = str(60 - int(now % 60))
         held = Reservation()
         if record.rpm is not None:
-            ok, used = await self.rates.add(f"rpm.{record.key_id}.{minute}", 1, record.rpm)
-            held.headers.update(
-                {
-                    "x-ratelimit-limit-requests": str(record.rpm),
-                    "x-ratelimit-remaining-requests": str(max(0, record.rpm - used)),
-                    "x-ratelimit-reset-requests": f"{reset}s",
-                }
-            )
-            if not ok:
-                raise RateLimited(
-                    f"Rate limit reached for requests: {record.rpm} per minute. "
-                    f"Please try again in {reset}s.",
-                    headers={**held.headers, "Retry-After": reset},
-                )
+            key = f"rpm.{record.key_id}.{minute}"
+            await self._take(held, key, 1, record.rpm, "requests", reset)
         if record.tpm is not None:
             key = f"tpm.{record.key_id}.{minute}"
-            ok, used = await self.rates.add(key, worst_tokens, record.tpm)
-            held.headers.update(
-                {
-                    "x-ratelimit-limit-tokens": str(record.tpm),
-                    "x-ratelimit-remaining-tokens": str(max(0, record.tpm - used)),
-                    "x-ratelimit-reset-tokens": f"{reset}s",
-                }
-            )
-            if not ok:
-                raise RateLimited(
-                    f"Rate limit reached for tokens: {record.tpm} per minute "
-                    f"(this request may use up to {worst_tokens}). Please try again in {reset}s.",
-                    headers={**held.headers, "Retry-After": reset},
-                )
+            await self._take(held, key, worst_tokens, record.tpm, "tokens", reset)
             held.tpm_key = key
         held.tokens = worst_tokens
         if record.budget_tokens is not None and record.budget_period is not None:
@@ -166,6 +141,26 @@ class Limiter:
                 )
             held.budget_key = key
         return held
+
+    async def _take(
+        self, held: Reservation, key: str, amount: int, limit: int, kind: str, reset: str
+    ) -> None:
+        """Take ``amount`` from a per-minute window, or raise a 429 with OpenAI's headers."""
+        ok, used = await self.rates.add(key, amount, limit)
+        held.headers.update(
+            {
+                f"x-ratelimit-limit-{kind}": str(limit),
+                f"x-ratelimit-remaining-{kind}": str(max(0, limit - used)),
+                f"x-ratelimit-reset-{kind}": f"{reset}s",
+            }
+        )
+        if not ok:
+            raise RateLimited(
+                f"Rate limit reached for {kind}: {limit} per minute"
+                + (f" (this request may use up to {amount})" if kind == "tokens" else "")
+                + f". Please try again in {reset}s.",
+                headers={**held.headers, "Retry-After": reset},
+            )
 
     async def settle(self, held: Reservation, actual_tokens: int) -> None:
         """Replace the reservation by the real count (never raises)."""
