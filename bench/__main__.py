@@ -90,14 +90,30 @@ def greedy_outputs(url: str, headers: dict[str, str] | None = None) -> list[str]
 
 
 def measure_streaming(
-    url: str, quick: bool, headers: dict[str, str] | None = None
-) -> dict[str, dict[str, float]]:
-    asyncio.run(run_load(url, chat_bodies(8, 16), 4, headers=headers))  # warm-up
-    results = {}
-    for concurrency, count in ((1, 8 if quick else 16), (16, 32 if quick else 64)):
-        stats = asyncio.run(run_load(url, chat_bodies(count, 64), concurrency, headers=headers))
-        results[f"c{concurrency}"] = stats.summary()
-        print(f"  c={concurrency}: {json.dumps(results[f'c{concurrency}'])}", flush=True)
+    targets: dict[str, tuple[str, dict[str, str] | None]], quick: bool, rounds: int = 2
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Streaming load on every target, alternating targets round by round.
+
+    Both engines are loaded; the one not being measured is idle. Alternating
+    spreads any drift of this shared machine over both alike.
+    """
+    for url, headers in targets.values():  # warm-up
+        asyncio.run(run_load(url, chat_bodies(8, 16), 4, headers=headers))
+    merged: dict[tuple[str, int], RunStats] = {}
+    for _ in range(rounds):
+        for concurrency, count in ((1, 4 if quick else 8), (16, 16 if quick else 32)):
+            for name, (url, headers) in targets.items():
+                stats = asyncio.run(
+                    run_load(url, chat_bodies(count, 64), concurrency, headers=headers)
+                )
+                into = merged.setdefault((name, concurrency), RunStats())
+                into.samples += stats.samples
+                into.errors += stats.errors
+                into.wall += stats.wall
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for (name, concurrency), stats in merged.items():
+        results.setdefault(name, {})[f"c{concurrency}"] = stats.summary()
+        print(f"  {name} c={concurrency}: {json.dumps(stats.summary())}", flush=True)
     return results
 
 
@@ -106,7 +122,7 @@ def bench_inference(work: Path, env: dict[str, str], quick: bool) -> dict[str, A
     entry = catalog.get(REAL)
     model_path = prepare_model(entry, work / "cache" / "models")
     out: dict[str, Any] = {}
-    print("inference: vllm serve (baseline)", flush=True)
+    print("inference: vllm serve (baseline) and Tollgate, both loaded", flush=True)
     with P.processes(work, env) as procs:
         port = P.free_port()
         started = time.monotonic()
@@ -125,19 +141,19 @@ def bench_inference(work: Path, env: dict[str, str], quick: bool) -> dict[str, A
         )
         P.wait_http(f"http://127.0.0.1:{port}/health")
         out["vllm_start_s"] = time.monotonic() - started
-        url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        out["vllm"] = measure_streaming(url, quick)
-        vllm_outputs = greedy_outputs(url)
-    print("inference: Tollgate (router + NATS + worker)", flush=True)
-    with P.processes(work, env) as procs:
+        vllm_url = f"http://127.0.0.1:{port}/v1/chat/completions"
         nats = P.start_nats(procs)
         headers = P.api_key(nats, work)
         base = P.start_router(procs, nats)
         started = time.monotonic()
         P.start_worker(procs, nats, REAL)
         out["tollgate_start_s"] = time.monotonic() - started
-        out["tollgate"] = measure_streaming(f"{base}/v1/chat/completions", quick, headers)
-        ours = greedy_outputs(f"{base}/v1/chat/completions", headers)
+        ours_url = f"{base}/v1/chat/completions"
+        out.update(
+            measure_streaming({"vllm": (vllm_url, None), "tollgate": (ours_url, headers)}, quick)
+        )
+        vllm_outputs = greedy_outputs(vllm_url)
+        ours = greedy_outputs(ours_url, headers)
     out["identical_outputs"] = sum(a == b for a, b in zip(vllm_outputs, ours, strict=True))
     out["compared_outputs"] = len(ours)
     return out

@@ -17,8 +17,9 @@ def _inference(r: dict[str, Any]) -> list[str]:
         "Same model folder, same engine arguments (`--max-num-seqs 16 --dtype bfloat16 "
         "--max-model-len 2048`), same machine, same run. Streaming chat completions of "
         "exactly 64 tokens (`ignore_eos`), temperature 0. `vllm serve` is vLLM's own "
-        "OpenAI server called directly; Tollgate is router + NATS + worker. The two "
-        "run one after the other, each with its own engine.",
+        "OpenAI server called directly; Tollgate is router + NATS + worker. Both "
+        "are loaded at once, each with its own engine, and measured in alternating "
+        "rounds (the one not measured is idle).",
         "",
         "| concurrency | metric | vllm serve | Tollgate | Tollgate / vllm | Tollgate minus vllm |",
         "|---|---|---|---|---|---|",
