@@ -299,9 +299,12 @@ def main() -> None:
             "TOLLGATE_LOG_LEVEL": "WARNING",
         }
         if ns.only in (None, "gateway"):
-            results["gateway"] = bench_gateway(work, env, ns.quick)
+            results["gateway"] = {**bench_gateway(work, env, ns.quick), "date": results["date"]}
         if ns.only in (None, "inference"):
-            results["inference"] = bench_inference(work, env, ns.quick)
+            results["inference"] = {
+                **bench_inference(work, env, ns.quick),
+                "date": results["date"],
+            }
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(exist_ok=True)
     latest = out_dir / "latest.json"

@@ -14,6 +14,8 @@ def _inference(r: dict[str, Any]) -> list[str]:
     lines = [
         "## Inference: Tollgate vs `vllm serve` (SmolLM2-135M-Instruct, vLLM on the CPU)",
         "",
+        f"Measured {r.get('date', '')}.",
+        "",
         "Same model folder, same engine arguments (`--max-num-seqs 16 --dtype bfloat16 "
         "--max-model-len 2048`), same machine, same run. Streaming chat completions of "
         "exactly 64 tokens (`ignore_eos`), temperature 0. `vllm serve` is vLLM's own "
@@ -54,6 +56,8 @@ def _gateway(r: dict[str, Any]) -> list[str]:
     d, t = r["direct"], r["tollgate"]
     lines = [
         "## Gateway hop: simulated engine through Tollgate vs the same engine served directly",
+        "",
+        f"Measured {r.get('date', '')}.",
         "",
         "The simulated engine (a test double: no model, 8 tokens, no delay) behind a bare "
         "aiohttp server (baseline) and behind Tollgate's router + NATS + worker. "
@@ -132,11 +136,11 @@ def write_report(results: dict[str, Any], path: Path) -> None:
     lines = [
         "# Benchmarks",
         "",
-        "Every figure below comes from one run of `make bench` (`python -m bench`), with each",
-        "system and its baseline measured side by side in that run. Performance is never",
-        "asserted in the test suite; it is measured here.",
+        "Every figure below comes from `make bench` (`python -m bench`; `--only gateway` or",
+        "`--only inference` reruns one part), with each system and its baseline measured side",
+        "by side in the same run. Performance is never asserted in the test suite; it is",
+        "measured here.",
         "",
-        f"- Date: {results['date']}",
         f"- Machine: {results['machine']}",
         f"- Command: `{results['command']}`",
         "",
