@@ -81,6 +81,9 @@ class WorkerConsumer:
         self.model_id = model_id
         self.state = WorkerState.STARTING
         self.inflight: dict[str, asyncio.Task[None]] = {}
+        # Requests still in the engine: only these may be cancelled, so a late
+        # cancel cannot cut off the final chunk that carries the usage.
+        self._generating: set[str] = set()
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -170,7 +173,7 @@ class WorkerConsumer:
             log.warning("malformed cancel message ignored")
             return
         task = self.inflight.get(cancel.request_id)
-        if task is not None:
+        if task is not None and cancel.request_id in self._generating:
             log.info("cancel", extra={"request_id": cancel.request_id, "reason": cancel.reason})
             task.cancel()
 
@@ -244,12 +247,13 @@ class WorkerConsumer:
         tally = TokenTally()
         current_tally.set(tally)
         reply = _Reply(self.nc, request)
-        await reply.send(ChunkKind.START, worker_id=self.worker_id)
         started = time.monotonic()
+        self._generating.add(request.request_id)
         outcome = Outcome.COMPLETED
         usage: Usage | None = None
         finish: str | None = None
         try:
+            await reply.send(ChunkKind.START, worker_id=self.worker_id)
             timeout = max(0.0, request.deadline - time.time())
             async with asyncio.timeout(timeout):
                 result = await self.engine.run(request.endpoint, request.body, request.request_id)
@@ -278,6 +282,8 @@ class WorkerConsumer:
                 }
             ).decode()
             await reply.send(ChunkKind.ERROR, data=body, status=500)
+        finally:
+            self._generating.discard(request.request_id)
         if usage is None:
             usage = tally.usage()
         await reply.send(ChunkKind.END, usage=usage, outcome=outcome, finish_reason=finish)
