@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
+import logging
 import runpy
 import sys
 from typing import Any
@@ -24,6 +25,9 @@ def _up(ns: argparse.Namespace) -> int:
     from tollgate.supervisor import AlreadyRunning, Stack
 
     common = CommonSettings()
+    # The supervisor's own NATS client connects while nats-server is still
+    # starting; its reconnect chatter is not for the operator's terminal.
+    logging.getLogger("tollgate.bus").setLevel(logging.ERROR)
     catalog = load_catalog(common.catalog)
     models = ns.model or [next(iter(catalog.models))]
     for model in models:
