@@ -57,7 +57,10 @@ async def close(nc: NATS) -> None:
         await nc.drain()
     except Exception as exc:  # a broken connection cannot be drained
         log.warning("nats drain failed: %s", type(exc).__name__)
-        await nc.close()
+        try:
+            await nc.close()
+        except Exception as close_exc:  # the server is gone: nothing left to flush
+            log.warning("nats close failed: %s", type(close_exc).__name__)
 
 
 async def ensure_infer_stream(

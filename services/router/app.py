@@ -30,7 +30,7 @@ from services.router.errors import (
 from services.router.limits import Limiter
 from services.router.serving import OpenAIServing
 from services.router.settings import RouterSettings
-from services.router.usage import UsagePublisher
+from services.router.usage import Outbox, UsagePublisher
 from services.router.workers import WorkerView
 from tollgate import bus
 from tollgate.catalog import Catalog
@@ -83,7 +83,8 @@ def create_app(
         app[WORKERS] = workers
         app[DISPATCHER] = dispatcher
         js = nc.jetstream()
-        usage = UsagePublisher(js, common.subjects)
+        outbox = Outbox(settings.outbox or common.var_dir / "outbox" / f"router-{settings.port}.db")
+        usage = UsagePublisher(js, common.subjects, outbox)
         await usage.start()
         limiter = await Limiter.open(js)
         serving = OpenAIServing(catalog, dispatcher, workers, settings, limiter, usage)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -33,6 +34,10 @@ class RouterSettings(BaseSettings):
         default=3, ge=1, description="Missed worker heartbeats before a worker counts as lost."
     )
     retry_after_s: int = Field(default=5, ge=1, description="Retry-After on 503.")
+    outbox: Path | None = Field(
+        default=None,
+        description="Usage-event outbox (SQLite); <var>/outbox/router-<port>.db when unset.",
+    )
     late_usage_wait_s: float = Field(
         default=2.0, ge=0, description="After a disconnect, wait this long for the usage report."
     )

@@ -1,13 +1,21 @@
-"""Publishes one usage event per accepted request to the usage stream.
+"""One usage event per accepted request, kept until JetStream has it.
 
-Events are published after the response, off the request's path, with
-``Nats-Msg-Id`` = request id so a retry never counts twice.
+Each event is first written to a local durable outbox (an SQLite journal
+under ``var/``), then published to the usage stream with ``Nats-Msg-Id`` =
+request id, and removed from the outbox once the stream acknowledged it.
+Events that could not be published (NATS down) are retried in order, and a
+router that restarts replays what its outbox still holds: a NATS outage
+delays usage events, it never drops them. A duplicate publish is dropped by
+the stream's dedupe window.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import sqlite3
+from pathlib import Path
 
 from nats.js import JetStreamContext
 
@@ -19,37 +27,101 @@ from tollgate.subjects import Subjects
 log = logging.getLogger("tollgate.router.usage")
 
 
+class Outbox:
+    """The SQLite journal: request id -> (subject, encoded event)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS events ("
+            " seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+            " request_id TEXT UNIQUE NOT NULL, subject TEXT NOT NULL, data BLOB NOT NULL)"
+        )
+
+    def add(self, request_id: str, subject: str, data: bytes) -> None:
+        self.db.execute(
+            "INSERT OR IGNORE INTO events (request_id, subject, data) VALUES (?, ?, ?)",
+            (request_id, subject, data),
+        )
+
+    def remove(self, request_id: str) -> None:
+        self.db.execute("DELETE FROM events WHERE request_id = ?", (request_id,))
+
+    def pending(self, limit: int = 1000) -> list[tuple[str, str, bytes]]:
+        rows = self.db.execute(
+            "SELECT request_id, subject, data FROM events ORDER BY seq LIMIT ?", (limit,)
+        )
+        return list(rows.fetchall())
+
+    def __len__(self) -> int:
+        return int(self.db.execute("SELECT COUNT(*) FROM events").fetchone()[0])
+
+    def close(self) -> None:
+        self.db.close()
+
+
 class UsagePublisher:
-    def __init__(self, js: JetStreamContext, subjects: Subjects) -> None:
+    def __init__(
+        self, js: JetStreamContext, subjects: Subjects, outbox: Outbox, retry_every_s: float = 1.0
+    ) -> None:
         self.js = js
         self.subjects = subjects
-        self._pending: set[asyncio.Task[None]] = set()
+        self.outbox = outbox
+        self.retry_every_s = retry_every_s
+        self._pending: set[asyncio.Task[bool]] = set()
+        self._replayer: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
 
     async def start(self) -> None:
-        await ensure_usage_stream(self.js, self.subjects)
+        with contextlib.suppress(Exception):  # NATS may be down: the replayer retries
+            await ensure_usage_stream(self.js, self.subjects)
+        self._replayer = asyncio.create_task(self._replay_loop())
 
     def emit(self, event: UsageEvent) -> None:
-        task = asyncio.create_task(self._publish(event))
+        """Journal the event, then publish it in the background."""
+        subject = self.subjects.usage(event.tenant)
+        data = codec.encode(event)
+        self.outbox.add(event.request_id, subject, data)
+        task = asyncio.create_task(self._publish(event.request_id, subject, data))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _publish(self, event: UsageEvent) -> None:
-        headers = {"Nats-Msg-Id": event.request_id}
-        for attempt in range(5):
-            try:
-                await self.js.publish(
-                    self.subjects.usage(event.tenant), codec.encode(event), headers=headers
-                )
-                return
-            except Exception as exc:
-                log.warning(
-                    "usage event not yet published: %s",
-                    type(exc).__name__,
-                    extra={"request_id": event.request_id, "attempt": attempt},
-                )
-                await asyncio.sleep(0.2 * 2**attempt)
-        log.error("usage event dropped after retries", extra={"request_id": event.request_id})
+    async def _publish(self, request_id: str, subject: str, data: bytes) -> bool:
+        try:
+            await self.js.publish(subject, data, headers={"Nats-Msg-Id": request_id}, timeout=5)
+        except Exception as exc:
+            log.warning(
+                "usage event kept in the outbox: %s",
+                type(exc).__name__,
+                extra={"request_id": request_id},
+            )
+            self._wake.set()
+            return False
+        self.outbox.remove(request_id)
+        return True
+
+    async def _replay_loop(self) -> None:
+        """Publish what the outbox holds (from a failure or an earlier run), in order."""
+        while True:
+            rows = self.outbox.pending()
+            for request_id, subject, data in rows:
+                if not await self._publish(request_id, subject, data):
+                    break
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.retry_every_s)
 
     async def flush(self, timeout: float = 10) -> None:
+        """Publish what can be published now; the rest stays in the outbox."""
         if self._pending:
             await asyncio.wait(self._pending, timeout=timeout)
+        if self._replayer is not None:
+            self._replayer.cancel()
+            await asyncio.gather(self._replayer, return_exceptions=True)
+        for request_id, subject, data in self.outbox.pending():
+            if not await self._publish(request_id, subject, data):
+                break
+        self.outbox.close()

@@ -1,0 +1,90 @@
+"""Usage events survive a NATS outage and a router restart (the durable outbox)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from services.router.usage import Outbox, UsagePublisher
+from tests.conftest import NatsServer, free_port
+from tollgate import bus
+from tollgate.contracts import UsageEvent
+from tollgate.subjects import Subjects
+
+SUBJECTS = Subjects()
+
+
+def event(i: int) -> UsageEvent:
+    return UsageEvent(
+        request_id=f"req-{i}",
+        time=time.time(),
+        tenant="acme",
+        key_id="k",
+        model="m",
+        prompt_tokens=10,
+        completion_tokens=i,
+        outcome="completed",
+        streamed=True,
+        total_s=0.1,
+        http_status=200,
+    )
+
+
+async def stream_count(url: str) -> int:
+    nc = await bus.connect(url, "test-count")
+    try:
+        info = await nc.jetstream().stream_info(SUBJECTS.usage_stream)
+        return int(info.state.messages)
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+def own_nats(tmp_path: Path) -> NatsServer:
+    server = NatsServer(free_port(), tmp_path / "nats")
+    server.start()
+    yield server
+    server.stop()
+
+
+async def test_outage_delays_events_and_a_restart_replays_them(
+    own_nats: NatsServer, tmp_path: Path
+) -> None:
+    path = tmp_path / "outbox.db"
+    nc = await bus.connect(own_nats.url, "test-router")
+    publisher = UsagePublisher(nc.jetstream(), SUBJECTS, Outbox(path), retry_every_s=0.2)
+    await publisher.start()
+    for i in range(50):
+        publisher.emit(event(i))
+    deadline = time.monotonic() + 10
+    while len(publisher.outbox) > 0:  # published and acknowledged
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+
+    # NATS goes away: the next events can only reach the outbox.
+    own_nats.stop()
+    for i in range(50, 120):
+        publisher.emit(event(i))
+    await asyncio.sleep(1)
+    assert len(publisher.outbox) == 70
+    # The router stops while NATS is still down; its outbox stays on disk.
+    await publisher.flush(timeout=1)
+    await bus.close(nc)
+    assert len(Outbox(path)) == 70
+
+    # NATS comes back and a new router process replays the outbox.
+    own_nats.start()
+    nc = await bus.connect(own_nats.url, "test-router")
+    publisher = UsagePublisher(nc.jetstream(), SUBJECTS, Outbox(path), retry_every_s=0.2)
+    await publisher.start()
+    publisher.emit(event(50))  # the same event again: the stream drops the duplicate
+    deadline = time.monotonic() + 20
+    while len(publisher.outbox) > 0:
+        assert time.monotonic() < deadline, "the outbox was not replayed"
+        await asyncio.sleep(0.1)
+    await publisher.flush()
+    await nc.close()
+    assert await stream_count(own_nats.url) == 120
