@@ -217,9 +217,7 @@ class Stack:
 
     def stop_all(self) -> None:
         for service in reversed(self.services):
-            started = time.monotonic()
             service.stop(timeout=30)
-            print(f"stopped {service.name} in {time.monotonic() - started:.2f}s")
 
 
 class HeartbeatWatch:

@@ -20,9 +20,5 @@ def decode(model: type[M], data: bytes) -> M:
     return model.model_validate(orjson.loads(data))
 
 
-def loads(data: bytes | str) -> Any:
-    return orjson.loads(data)
-
-
 def dumps(value: Any) -> bytes:
     return orjson.dumps(value)

@@ -137,10 +137,6 @@ class TokenVerifier:
         self._verified.clear()
         self._keys.pop(kid, None)
 
-    @property
-    def kids(self) -> set[str]:
-        return set(self._keys)
-
     def verify(self, token: str) -> dict[str, Any]:
         cached = self._verified.get(token)
         if cached is not None:

@@ -41,7 +41,6 @@ class BudgetLedger:
         self.subjects = subjects
         self.reactivate_every_s = reactivate_every_s
         self.spend: Any = None
-        self.counted = 0
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
@@ -105,7 +104,6 @@ class BudgetLedger:
         tokens = event.prompt_tokens + event.completion_tokens
         window = budget_window(record.budget_period, event.time)
         total = await self._add(f"{record.key_id}.{window}", tokens, seq)
-        self.counted += 1
         current = budget_window(record.budget_period, time.time())
         if total is not None and window == current and total >= record.budget_tokens:
             await self._set_state(record, KeyState.OVER_BUDGET, "over_budget")

@@ -58,22 +58,14 @@ class Dispatcher:
         self._calls: dict[str, Call] = {}
 
     async def start(self, model_ids: Iterable[str]) -> None:
-        self._models = list(model_ids)
-        await self.ensure_streams()
+        for model_id in model_ids:
+            await ensure_infer_stream(self.js, self.subjects, model_id)
         await self.nc.subscribe(
             f"{self.subjects.reply_prefix(self.router_id)}.*", cb=self._on_chunk
         )
 
-    async def ensure_streams(self) -> None:
-        for model_id in self._models:
-            await ensure_infer_stream(self.js, self.subjects, model_id)
-
     def reply_subject(self, request_id: str) -> str:
         return self.subjects.reply(self.router_id, request_id)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._calls)
 
     async def _on_chunk(self, msg: Msg) -> None:
         request_id = msg.subject.rpartition(".")[2]

@@ -51,10 +51,3 @@ class WorkerView:
         """Seconds of silence after which ``worker_id`` counts as lost."""
         seen = self._workers.get(worker_id)
         return (seen.beat.interval_s if seen else 1.0) * self.misses
-
-    def ready(self, model_id: str) -> list[WorkerHeartbeat]:
-        return [
-            s.beat
-            for wid, s in self._workers.items()
-            if s.beat.model == model_id and s.beat.state is WorkerState.READY and self.alive(wid)
-        ]
