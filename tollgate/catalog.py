@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import tomllib
+from datetime import date
+from decimal import Decimal
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -23,6 +25,18 @@ class SimulatedEngineConfig(BaseModel):
     max_num_seqs: int = Field(default=16, ge=1, description="Concurrent requests (slots).")
 
 
+class Price(BaseModel):
+    """A model's price per million tokens from ``valid_from`` (until the next price)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    valid_from: date = Field(description="First day (UTC) the price applies.")
+    valid_to: date | None = Field(default=None, description="First day it no longer applies.")
+    prompt: Decimal = Field(ge=0, description="Price per million prompt tokens.")
+    completion: Decimal = Field(ge=0, description="Price per million completion tokens.")
+    currency: str = Field(default="USD", min_length=3, max_length=3)
+
+
 class ModelEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -33,6 +47,7 @@ class ModelEntry(BaseModel):
     engine: Literal["vllm", "simulated"] = "vllm"
     engine_args: list[str] = Field(default_factory=list)
     simulated: SimulatedEngineConfig | None = None
+    prices: list[Price] = Field(default_factory=list, description="Billing prices over time.")
 
     @model_validator(mode="after")
     def _simulated_defaults(self) -> ModelEntry:

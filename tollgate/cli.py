@@ -8,6 +8,7 @@ import getpass
 import logging
 import runpy
 import sys
+from datetime import date, timedelta
 from typing import Any
 
 from tollgate.catalog import load_catalog
@@ -38,6 +39,7 @@ def _up(ns: argparse.Namespace) -> int:
         port=ns.port,
         nats_port=ns.nats_port,
         auth_port=ns.auth_port,
+        metering_port=ns.metering_port,
         models=models,
     )
     try:
@@ -159,9 +161,52 @@ def _keys(ns: argparse.Namespace) -> int:
     return asyncio.run(_keys_async(ns))
 
 
+async def _query_async(ns: argparse.Namespace, sql: str, parameters: dict[str, Any]) -> int:
+    from tollgate import bus
+    from tollgate.analytics import MeteringUnavailable, render, run_query
+
+    common = CommonSettings()
+    nc = await bus.connect(common.nats_url, name="tollgate-cli")
+    try:
+        result = await run_query(nc, common.subjects, sql, parameters, max_rows=ns.max_rows)
+    except MeteringUnavailable as exc:
+        print(f"error: {exc} (start it with `tollgate up` or `tollgate metering`)", file=sys.stderr)
+        return 1
+    finally:
+        await bus.close(nc)
+    if result.error is not None:
+        print(f"error: {result.error}", file=sys.stderr)
+        return 1
+    print(render(result, ns.format))
+    if result.truncated:
+        print(f"(only the first {len(result.rows)} rows are shown)", file=sys.stderr)
+    return 0
+
+
+def _usage(ns: argparse.Namespace) -> int:
+    from tollgate.analytics import report_parameters, report_sql
+
+    if ns.end <= ns.start:
+        print("error: --to must be after --from", file=sys.stderr)
+        return 2
+    parameters = report_parameters(ns.tenant, ns.start, ns.end)
+    return asyncio.run(_query_async(ns, report_sql(ns.by), parameters))
+
+
+def _sql(ns: argparse.Namespace) -> int:
+    return asyncio.run(_query_async(ns, ns.statement, {}))
+
+
+def _day(text: str) -> date:
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a date like 2026-11-01: {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("router", "worker", "auth"):
+    if argv and argv[0] in ("router", "worker", "auth", "metering"):
         return _run_service(f"services.{argv[0]}", argv[1:])
     parser = argparse.ArgumentParser(prog="tollgate", description="Tollgate LLM gateway")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -170,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--port", type=int, default=8080)
     up.add_argument("--nats-port", type=int, default=4222)
     up.add_argument("--auth-port", type=int, default=8081)
+    up.add_argument("--metering-port", type=int, default=8082)
     up.add_argument("--model", action="append", help="model to start a worker for (repeatable)")
     up.set_defaults(func=_up)
     models = sub.add_parser("models", help="the model catalog")
@@ -193,6 +239,22 @@ def main(argv: list[str] | None = None) -> int:
     key_actions.add_parser("list", help="every key, without tokens")
     key_actions.add_parser("revoke", help="revoke a key at once").add_argument("key_id")
     keys.set_defaults(func=_keys)
+    usage = sub.add_parser("usage", help="usage and cost, from the metering service")
+    usage_actions = usage.add_subparsers(dest="action", required=True)
+    report = usage_actions.add_parser("report", help="one tenant's usage and cost")
+    report.add_argument("--tenant", required=True)
+    first_of_month = date.today().replace(day=1)
+    report.add_argument("--from", dest="start", type=_day, default=first_of_month)
+    report.add_argument("--to", dest="end", type=_day, default=date.today() + timedelta(days=1))
+    report.add_argument("--by", choices=["model", "key", "day"], default="model")
+    sql = sub.add_parser("sql", help="a read-only ClickHouse query on the usage data")
+    sql.add_argument("statement")
+    for p in (report, sql):
+        p.add_argument("--format", choices=["table", "csv", "json"], default="table")
+        p.add_argument("--max-rows", type=int, default=10_000)
+    report.set_defaults(func=_usage)
+    sql.set_defaults(func=_sql)
+    sub.add_parser("metering", help="run the metering service; `metering migrate`: the schema")
     sub.add_parser("router", help="run the router (python -m services.router)")
     sub.add_parser("auth", help="run the auth service (python -m services.auth)")
     sub.add_parser("worker", help="run a worker (python -m services.worker --model ID)")

@@ -82,7 +82,10 @@ class ResponseChunk(_Contract):
     )
     status: int | None = Field(default=None, description="HTTP status for ERROR chunks.")
     worker_id: str | None = Field(default=None, description="Set on START: who runs it.")
-    usage: Usage | None = Field(default=None, description="Set on END: the engine's counts.")
+    usage: Usage | None = Field(
+        default=None,
+        description="On END: the engine's counts. On streamed DATA: the counts so far.",
+    )
     outcome: Outcome | None = Field(default=None, description="Set on END: how it ended.")
     finish_reason: str | None = Field(
         default=None, description="Set on END when known: stop, length, ..."
@@ -139,3 +142,27 @@ class UsageEvent(_Contract):
     ttft_s: float | None = Field(default=None, description="Seconds until the first output.")
     total_s: float = Field(description="Seconds from arrival to the end.")
     http_status: int = Field(description="HTTP status the client got.")
+
+
+class QueryRequest(_Contract):
+    """A read-only ClickHouse query for the metering service (``tg.metering.query``)."""
+
+    type: Literal["tg.query.v1"] = Field(default="tg.query.v1", description="Contract type id.")
+    sql: str = Field(description="One SELECT-like statement; server-side {name:Type} parameters.")
+    parameters: dict[str, Any] = Field(
+        default_factory=dict, description="Values for the statement's {name:Type} parameters."
+    )
+    max_rows: int = Field(default=10_000, ge=1, description="Most rows to return.")
+
+
+class QueryResult(_Contract):
+    """The answer to a :class:`QueryRequest`: rows, or an error message."""
+
+    type: Literal["tg.query_result.v1"] = Field(
+        default="tg.query_result.v1", description="Contract type id."
+    )
+    columns: list[str] = Field(default_factory=list, description="Column names.")
+    types: list[str] = Field(default_factory=list, description="ClickHouse column types.")
+    rows: list[list[Any]] = Field(default_factory=list, description="Rows, JSON-encoded values.")
+    truncated: bool = Field(default=False, description="More rows matched than max_rows.")
+    error: str | None = Field(default=None, description="Why the query failed.")

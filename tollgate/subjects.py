@@ -101,6 +101,20 @@ class Subjects:
     def usage_stream(self) -> str:
         return f"{self.prefix.upper()}_USAGE"
 
+    @property
+    def usage_dead_letter(self) -> str:
+        """Usage messages the metering service could not read, with the reason."""
+        return f"{self.prefix}.deadletter.usage"
+
+    @property
+    def dead_letter_stream(self) -> str:
+        return f"{self.prefix.upper()}_DEADLETTER"
+
+    @property
+    def metering_query(self) -> str:
+        """Request/reply: read-only queries that the metering service runs."""
+        return f"{self.prefix}.metering.query"
+
     def drain(self, worker_id: str) -> str:
         """Control subject that tells one worker to drain and exit."""
         return f"{self.prefix}.control.drain.{worker_id}"

@@ -96,6 +96,7 @@ class Stack:
         port: int,
         nats_port: int,
         auth_port: int,
+        metering_port: int = 8082,
         models: list[str],
     ) -> None:
         self.common = common
@@ -103,6 +104,7 @@ class Stack:
         self.port = port
         self.nats_port = nats_port
         self.auth_port = auth_port
+        self.metering_port = metering_port
         self.models = models
         self.var = common.var_dir.resolve()
         self.base_url = f"http://{host}:{port}/v1"
@@ -147,6 +149,7 @@ class Stack:
                 "TOLLGATE_ROUTER_HOST": self.host,
                 "TOLLGATE_ROUTER_PORT": str(self.port),
                 "TOLLGATE_AUTH_PORT": str(self.auth_port),
+                "TOLLGATE_METERING_PORT": str(self.metering_port),
             }
         )
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -173,6 +176,9 @@ class Stack:
             ),
             Child("router", [sys.executable, "-m", "services.router"], env, logs / "router.log"),
             Child("auth", [sys.executable, "-m", "services.auth"], env, logs / "auth.log"),
+            Child(
+                "metering", [sys.executable, "-m", "services.metering"], env, logs / "metering.log"
+            ),
         ]
         for model in self.models:
             self.children.append(
@@ -180,7 +186,7 @@ class Stack:
                     f"worker {model}",
                     [sys.executable, "-m", "services.worker", "--model", model],
                     env,
-                    logs / f"worker-{len(self.children) - 2}.log",
+                    logs / f"worker-{len(self.children) - 3}.log",
                 )
             )
 
@@ -189,6 +195,7 @@ class Stack:
             ("router", self.host, self.port, "--port"),
             ("NATS", "127.0.0.1", self.nats_port, "--nats-port"),
             ("auth admin API", "127.0.0.1", self.auth_port, "--auth-port"),
+            ("metering service", "127.0.0.1", self.metering_port, "--metering-port"),
         )
         for what, host, port, flag in ports:
             if not port_free(host, port):
@@ -222,8 +229,12 @@ class Stack:
         finally:
             watch.cancel()
             print("\nStopping Tollgate...", file=out, flush=True)
-            # Router first (stop taking calls), then workers (drain), NATS last.
-            for child in [*self.children[1:], self.children[0]]:
+            # Router first (stop taking calls, flush usage), then workers
+            # (drain), then the services that consume events, NATS last.
+            nats, router, *rest = self.children
+            consumers = [c for c in rest if c.name in ("auth", "metering")]
+            workers = [c for c in rest if c not in consumers]
+            for child in [router, *workers, *consumers, nats]:
                 await child.stop(timeout=30)
             print("Stopped.", file=out, flush=True)
         return 0

@@ -18,7 +18,7 @@ from nats.js.errors import NoStreamResponseError
 from services.router.limits import Reservation
 from tollgate import codec
 from tollgate.bus import ensure_infer_stream
-from tollgate.contracts import CancelRequest, InferenceRequest, ResponseChunk
+from tollgate.contracts import CancelRequest, InferenceRequest, ResponseChunk, Usage
 from tollgate.subjects import Subjects
 
 log = logging.getLogger("tollgate.router.dispatch")
@@ -29,6 +29,7 @@ class Call:
 
     __slots__ = (
         "cancelled",
+        "delivered",
         "first_output_at",
         "queue",
         "request",
@@ -47,6 +48,9 @@ class Call:
         self.started_at: float | None = None
         self.first_output_at: float | None = None
         self.reservation: Reservation | None = None
+        # Tokens of the output relayed so far (the worker's running count);
+        # billed when the worker dies before its final report.
+        self.delivered: Usage | None = None
 
 
 class Dispatcher:

@@ -142,9 +142,26 @@ class OpenAIServing:
             reservation = await self.limiter.reserve(principal.record, worst_case_tokens(prepared))
         try:
             call = await self._dispatch(prepared, request_id, principal)
-        except BaseException:
+        except BaseException as exc:
             if reservation is not None and self.limiter is not None:
                 await self.limiter.settle(reservation, 0)
+            if isinstance(exc, ServiceUnavailable) and self.usage is not None:
+                # Accepted but never queued: a zero-token row, so analysts see it.
+                self.usage.emit(
+                    UsageEvent(
+                        request_id=request_id,
+                        time=time.time(),
+                        tenant=(principal.tenant if principal else None) or "anonymous",
+                        key_id=principal.key_id if principal else None,
+                        model=prepared.entry.id,
+                        prompt_tokens=0,
+                        completion_tokens=0,
+                        outcome="not_dispatched",
+                        streamed=prepared.stream,
+                        total_s=0.0,
+                        http_status=exc.status,
+                    )
+                )
             raise
         call.reservation = reservation
         return call
@@ -228,8 +245,11 @@ class OpenAIServing:
                 call.worker_id = chunk.worker_id
                 call.started_at = loop.time()
                 continue
-            if call.first_output_at is None and kind is ChunkKind.DATA:
-                call.first_output_at = loop.time()
+            if kind is ChunkKind.DATA:
+                if call.first_output_at is None:
+                    call.first_output_at = loop.time()
+                if chunk.usage is not None:
+                    call.delivered = chunk.usage
             if kind is ChunkKind.USAGE and not prepared.wants_usage:
                 continue
             if kind is ChunkKind.END and chunk.outcome is Outcome.EXPIRED:
@@ -274,7 +294,11 @@ class OpenAIServing:
         if end is None and call.worker_id is not None and outcome != "worker_lost":
             end = await self._late_end(call)
         self.dispatcher.finish(call)
-        usage = end.usage if end is not None and end.usage is not None else Usage()
+        if end is not None and end.usage is not None:
+            usage = end.usage
+        else:
+            # No final report (the worker died): bill what was relayed.
+            usage = call.delivered or Usage()
         if outcome is None:
             outcome = end.outcome.value if end is not None and end.outcome else "lost"
         if call.reservation is not None and self.limiter is not None:

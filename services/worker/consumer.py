@@ -264,7 +264,7 @@ class WorkerConsumer:
                     usage, finish = result.usage, result.finish_reason
                     await reply.send(ChunkKind.DATA, data=result.body)
                 else:
-                    await self._relay_stream(reply, result)
+                    await self._relay_stream(reply, result, tally)
                     usage, finish = result.usage, result.finish_reason
         except (asyncio.CancelledError, TimeoutError):
             outcome = Outcome.CANCELLED
@@ -297,12 +297,16 @@ class WorkerConsumer:
             },
         )
 
-    async def _relay_stream(self, reply: _Reply, result: StreamResult) -> None:
+    async def _relay_stream(self, reply: _Reply, result: StreamResult, tally: TokenTally) -> None:
         events = result.events
         try:
             async for event in events:
-                kind = ChunkKind.USAGE if event.is_usage else ChunkKind.DATA
-                await reply.send(kind, data=event.text)
+                if event.is_usage:
+                    await reply.send(ChunkKind.USAGE, data=event.text)
+                else:
+                    # The running count goes with each chunk: if this worker dies,
+                    # the router bills what it relayed.
+                    await reply.send(ChunkKind.DATA, data=event.text, usage=tally.usage())
         finally:
             aclose = getattr(events, "aclose", None)
             if aclose is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from tests.conftest import SIM_MODEL, free_port
 def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
     var_dir: Path, prepared_model: Path, tmp_path: Path
 ) -> None:
-    port, nats_port, auth_port = free_port(), free_port(), free_port()
+    port, nats_port, auth_port, metering_port = (free_port() for _ in range(4))
     env = {
         **os.environ,
         "TOLLGATE_CATALOG": str(var_dir / "models.toml"),
@@ -35,6 +36,8 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
         str(nats_port),
         "--auth-port",
         str(auth_port),
+        "--metering-port",
+        str(metering_port),
         "--model",
         SIM_MODEL,
     ]
@@ -69,6 +72,41 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
+    # The usage row reaches the stack's ClickHouse; the CLI reads it back.
+    cli_env = {**env, "TOLLGATE_NATS_URL": f"nats://127.0.0.1:{nats_port}"}
+    request_id = r.headers["x-request-id"]
+    query = f"SELECT completion_tokens FROM usage_events WHERE request_id = '{request_id}'"
+    deadline = time.monotonic() + 60
+    while True:
+        sql = subprocess.run(
+            [sys.executable, "-m", "tollgate.cli", "sql", query, "--format", "csv"],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if sql.stdout.splitlines()[1:] == ["3"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert sql.returncode == 0 and sql.stdout.splitlines() == ["completion_tokens", "3"], sql
+    report = subprocess.run(
+        [
+            sys.executable,
+            *("-m", "tollgate.cli", "usage", "report", "--tenant", "demo"),
+            "--format",
+            "json",
+        ],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert report.returncode == 0, report.stderr
+    rows = json.loads(report.stdout)
+    assert [(row["model"], row["requests"], row["completion_tokens"]) for row in rows] == [
+        (SIM_MODEL, 1, 3)
+    ]
+
     second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert second.returncode == 1
     assert "already running" in second.stderr and f":{port}/v1" in second.stderr
@@ -78,7 +116,7 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
     assert up.returncode == 0, rest
     assert "Stopped." in rest
     # every child is gone: the ports are free again
-    for p in (port, nats_port, auth_port):
+    for p in (port, nats_port, auth_port, metering_port):
         try:
             httpx.get(f"http://127.0.0.1:{p}/", timeout=1)
             raise AssertionError(f"port {p} still answers")

@@ -1,0 +1,1 @@
+"""The metering service: usage events from JetStream into ClickHouse, exactly once."""

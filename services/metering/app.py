@@ -1,0 +1,86 @@
+"""Metering service factory: ClickHouse schema, the usage writer and the query responder.
+
+The HTTP side only serves ``/healthz``, ``/readyz`` and ``/metrics``; the work
+comes over NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.metering.ingest import UsageIngest
+from services.metering.metrics import MeteringMetrics
+from services.metering.queries import QueryResponder
+from services.metering.settings import MeteringSettings
+from services.metering.store import UsageStore
+from tollgate import bus
+from tollgate.catalog import Catalog
+from tollgate.settings import CommonSettings
+
+log = logging.getLogger("tollgate.metering")
+
+INGEST = web.AppKey("ingest", UsageIngest)
+METRICS = web.AppKey("metrics", MeteringMetrics)
+
+
+def open_store(settings: MeteringSettings, common: CommonSettings) -> UsageStore:
+    return UsageStore(
+        settings.dsn(common.var_dir), settings.database, settings.query_timeout_s
+    ).open()
+
+
+def create_app(
+    settings: MeteringSettings, common: CommonSettings, catalog: Catalog
+) -> web.Application:
+    app = web.Application()
+    metrics = MeteringMetrics()
+    app[METRICS] = metrics
+
+    async def service_ctx(app: web.Application) -> AsyncIterator[None]:
+        store = await asyncio.to_thread(open_store, settings, common)
+        applied = await asyncio.to_thread(store.migrate)
+        prices = await asyncio.to_thread(store.sync_prices, catalog)
+        log.info(
+            "ClickHouse schema ready",
+            extra={
+                "embedded": store.embedded,
+                "migrations_applied": len(applied),
+                "prices": prices,
+            },
+        )
+        nc = await bus.connect(common.nats_url, name="metering")
+        ingest = UsageIngest(nc.jetstream(), store, common.subjects, settings, metrics)
+        app[INGEST] = ingest
+        await QueryResponder(nc, store, common.subjects, settings.query_max_rows, metrics).start()
+        task = asyncio.create_task(ingest.run(), name="ingest")
+        yield
+        # Finish the batch in hand (insert, then ack) before leaving.
+        ingest.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, timeout=60)
+        await bus.close(nc)
+        await asyncio.to_thread(store.close)
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        ingest = request.app.get(INGEST)
+        ready = ingest is not None and ingest.running
+        return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+    async def metrics_endpoint(request: web.Request) -> web.Response:
+        body = generate_latest(request.app[METRICS].registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.cleanup_ctx.append(service_ctx)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_endpoint)
+    return app

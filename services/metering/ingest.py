@@ -1,0 +1,290 @@
+"""Usage events from the JetStream stream into ClickHouse, exactly once.
+
+A durable pull consumer collects a batch (up to ``batch_max_rows`` events, or
+whatever arrived ``batch_max_wait_s`` after the batch's first event), inserts
+it, and acks its messages only after ClickHouse has the rows. A crash between
+insert and ack redelivers the batch; the writer then finds those request ids
+already stored and skips them, so neither the raw table nor the rollups built
+from each insert count an event twice.
+
+A message that is not a valid usage event goes to the dead-letter stream with
+the reason and is acked, so it never blocks the events behind it. A batch
+that ClickHouse rejects is split in halves until the rows it refuses are
+isolated and dead-lettered; an unreachable ClickHouse is retried with back-off
+while the messages are kept from redelivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from clickhouse_connect.driver.exceptions import DatabaseError
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+from pydantic import ValidationError
+
+from services.metering.metrics import MeteringMetrics
+from services.metering.settings import MeteringSettings
+from services.metering.store import StoreUnavailable, UsageStore
+from tollgate.bus import ensure_usage_stream
+from tollgate.contracts import UsageEvent
+from tollgate.subjects import Subjects
+
+log = logging.getLogger("tollgate.metering.ingest")
+
+T = TypeVar("T")
+
+_UINT32 = 2**32
+_EARLIEST = 946_684_800.0  # 2000-01-01: older times are corrupt, not late
+
+
+class PoisonEvent(ValueError):
+    """A message that can never become a usage row."""
+
+
+@dataclass
+class Pending:
+    """One message of the current batch and its row (None: dead-lettered)."""
+
+    msg: Msg
+    row: dict[str, Any] | None
+
+
+def to_row(data: bytes, stream_seq: int, now: float) -> dict[str, Any]:
+    """Validate a usage event and return its ``usage_events`` row."""
+    try:
+        event = UsageEvent.model_validate_json(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise PoisonEvent(f"not a tg.usage.v1 event: {where}: {first['msg']}") from None
+    for name in ("prompt_tokens", "completion_tokens"):
+        value = getattr(event, name)
+        if not 0 <= value < _UINT32:
+            raise PoisonEvent(f"{name} out of range: {value}")
+    if not 100 <= event.http_status <= 599:
+        raise PoisonEvent(f"http_status out of range: {event.http_status}")
+    if not _EARLIEST <= event.time <= now + 86_400:
+        raise PoisonEvent(f"time out of range: {event.time}")
+    for name in ("queue_s", "ttft_s", "total_s"):
+        value = getattr(event, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise PoisonEvent(f"{name} is not a duration: {value}")
+    row = event.model_dump(mode="json", exclude={"type"})
+    row["stream_seq"] = stream_seq
+    return row
+
+
+async def ensure_dead_letter_stream(js: JetStreamContext, subjects: Subjects) -> None:
+    config = StreamConfig(
+        name=subjects.dead_letter_stream,
+        subjects=[subjects.usage_dead_letter],
+        storage=StorageType.FILE,
+        duplicate_window=600.0,
+    )
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        await js.update_stream(config)
+
+
+class UsageIngest:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        store: UsageStore,
+        subjects: Subjects,
+        settings: MeteringSettings,
+        metrics: MeteringMetrics,
+    ) -> None:
+        self.js = js
+        self.store = store
+        self.subjects = subjects
+        self.settings = settings
+        self.metrics = metrics
+        self.running = False
+        self._stopping = asyncio.Event()
+        # One thread for every write: batches reach ClickHouse in order.
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="clickhouse-writer")
+
+    def stop(self) -> None:
+        """Finish the current batch (insert and ack), then leave :meth:`run`."""
+        self._stopping.set()
+
+    async def _write(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._writes, fn, *args)
+
+    async def run(self) -> None:
+        await ensure_usage_stream(self.js, self.subjects)
+        await ensure_dead_letter_stream(self.js, self.subjects)
+        sub = await self.js.pull_subscribe(
+            self.subjects.usage_all,
+            durable=self.settings.durable,
+            stream=self.subjects.usage_stream,
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=self.settings.ack_wait_s,
+                max_ack_pending=self.settings.batch_max_rows * 4,
+                max_deliver=-1,
+            ),
+        )
+        self.running = True
+        try:
+            while not self._stopping.is_set():
+                msgs = await self._collect(sub)
+                if msgs:
+                    await self._process(msgs)
+        finally:
+            self.running = False
+            # A pull subscription left mid-fetch would hold up the connection's drain.
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            self._writes.shutdown(wait=True)
+
+    async def _collect(self, sub: Any) -> list[Msg]:
+        """A batch: up to batch_max_rows, or what arrived batch_max_wait_s after the first."""
+        msgs: list[Msg] = []
+        closes_at = 0.0
+        limit = self.settings.batch_max_rows
+        while len(msgs) < limit:
+            if msgs:
+                timeout = closes_at - time.monotonic()
+                if timeout <= 0.005:
+                    break
+            elif self._stopping.is_set():
+                break
+            else:
+                timeout = 1.0
+            try:
+                got = await sub.fetch(limit - len(msgs), timeout=timeout)
+            except (TimeoutError, NatsTimeoutError):
+                continue
+            except Exception as exc:  # NATS reconnecting: keep what we have
+                log.warning("usage fetch failed: %s", type(exc).__name__)
+                if msgs:
+                    break
+                await asyncio.sleep(0.5)
+                continue
+            if not msgs:
+                closes_at = time.monotonic() + self.settings.batch_max_wait_s
+            msgs.extend(got)
+        return msgs
+
+    async def _process(self, msgs: list[Msg]) -> None:
+        now = time.time()
+        batch: list[Pending] = []
+        for msg in msgs:
+            try:
+                row = to_row(msg.data, msg.metadata.sequence.stream, now)
+            except PoisonEvent as exc:
+                await self._dead_letter(msg, str(exc))
+                batch.append(Pending(msg, None))
+                continue
+            batch.append(Pending(msg, row))
+        self.metrics.consumed.inc(len(msgs))
+        rows = [p.row for p in batch if p.row is not None]
+        if rows:
+            await self._with_retry(
+                lambda: self._store_rows(rows, batch), keep=[p.msg for p in batch]
+            )
+        for pending in batch:
+            await self._ack(pending.msg)
+        if rows:
+            newest = max(r["time"] for r in rows)
+            self.metrics.lag.observe(max(0.0, time.time() - newest))
+
+    async def _store_rows(self, rows: list[dict[str, Any]], batch: list[Pending]) -> None:
+        """Insert the rows not stored yet; isolate rows that ClickHouse refuses."""
+        unique: dict[str, dict[str, Any]] = {}
+        for row in rows:
+            unique.setdefault(row["request_id"], row)
+        times = [r["time"] for r in unique.values()]
+        stored = await self._write(self.store.existing_ids, list(unique), min(times), max(times))
+        fresh = [row for rid, row in unique.items() if rid not in stored]
+        self.metrics.duplicates.inc(len(rows) - len(fresh))
+        started = time.perf_counter()
+        refused = await self._insert_or_split(fresh)
+        self.metrics.insert_seconds.observe(time.perf_counter() - started)
+        self.metrics.inserted.inc(len(fresh) - len(refused))
+        if refused:
+            by_id = {id(p.row): p for p in batch if p.row is not None}
+            for row, reason in refused:
+                pending = by_id.get(id(row))
+                if pending is not None:
+                    await self._dead_letter(pending.msg, reason)
+
+    async def _insert_or_split(
+        self, rows: list[dict[str, Any]]
+    ) -> list[tuple[dict[str, Any], str]]:
+        """Insert; when ClickHouse rejects the data, bisect to find the rows it refuses."""
+        if not rows:
+            return []
+        try:
+            await self._write(self.store.insert, rows)
+            return []
+        except DatabaseError as exc:
+            if len(rows) == 1:
+                return [(rows[0], f"ClickHouse refused the row: {str(exc)[:500]}")]
+        half = len(rows) // 2
+        return [
+            *await self._insert_or_split(rows[:half]),
+            *await self._insert_or_split(rows[half:]),
+        ]
+
+    async def _with_retry(self, attempt: Callable[[], Awaitable[None]], keep: list[Msg]) -> None:
+        """Retry while ClickHouse is unreachable; the messages stay in progress meanwhile."""
+        delay = 0.2
+        touched = time.monotonic()
+        while True:
+            if time.monotonic() - touched > self.settings.ack_wait_s / 3:
+                touched = time.monotonic()
+                for msg in keep:
+                    with contextlib.suppress(Exception):
+                        await msg.in_progress()
+            try:
+                await attempt()
+                return
+            except StoreUnavailable as exc:
+                self.metrics.insert_failures.inc()
+                log.warning("ClickHouse unavailable, retrying: %s", str(exc)[:200])
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.settings.retry_max_s)
+
+    async def _dead_letter(self, msg: Msg, reason: str) -> None:
+        """Keep the message on the dead-letter stream, with why; retried until stored."""
+        seq = msg.metadata.sequence.stream
+        headers = {
+            "Nats-Msg-Id": f"usage-{seq}",
+            "Tollgate-Reason": reason[:1000],
+            "Tollgate-Subject": msg.subject,
+            "Tollgate-Stream-Seq": str(seq),
+        }
+        delay = 0.2
+        while True:
+            try:
+                await self.js.publish(
+                    self.subjects.usage_dead_letter, msg.data, headers=headers, timeout=5
+                )
+                break
+            except Exception as exc:
+                log.warning("dead-letter publish failed: %s", type(exc).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.retry_max_s)
+        self.metrics.dead_lettered.inc()
+        log.error("usage message dead-lettered", extra={"stream_seq": seq, "reason": reason})
+
+    async def _ack(self, msg: Msg) -> None:
+        # An ack lost to a reconnect only causes a redelivery, which is deduplicated.
+        with contextlib.suppress(Exception):
+            await msg.ack()

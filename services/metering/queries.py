@@ -1,0 +1,69 @@
+"""Read-only queries over NATS (``tg.metering.query``), for the CLI, the scaler and replay.
+
+Only the metering service opens ClickHouse (chDB allows one process per data
+directory), so everything else that needs usage data asks here. The query
+runs on a connection that ClickHouse itself holds read-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from pydantic import ValidationError
+
+from services.metering.metrics import MeteringMetrics
+from services.metering.store import UsageStore
+from tollgate import codec
+from tollgate.contracts import QueryRequest, QueryResult
+from tollgate.subjects import Subjects
+
+log = logging.getLogger("tollgate.metering.queries")
+
+
+class QueryResponder:
+    def __init__(
+        self,
+        nc: NATS,
+        store: UsageStore,
+        subjects: Subjects,
+        max_rows: int,
+        metrics: MeteringMetrics,
+    ) -> None:
+        self.nc = nc
+        self.store = store
+        self.subjects = subjects
+        self.max_rows = max_rows
+        self.metrics = metrics
+        # Queries run one at a time beside the writer: an analyst's scan must
+        # not take every core from ingestion.
+        self._one_at_a_time = asyncio.Semaphore(1)
+
+    async def start(self) -> None:
+        await self.nc.subscribe(self.subjects.metering_query, queue="metering", cb=self._on_query)
+
+    async def _on_query(self, msg: Msg) -> None:
+        try:
+            request = codec.decode(QueryRequest, msg.data)
+        except (ValidationError, ValueError):
+            result = QueryResult(error="The query request is not a valid tg.query.v1 message.")
+        else:
+            async with self._one_at_a_time:
+                result = await asyncio.to_thread(
+                    self.store.query,
+                    request.sql,
+                    request.parameters,
+                    min(request.max_rows, self.max_rows),
+                )
+        body = codec.encode(result)
+        if len(body) > self.nc.max_payload:
+            result = QueryResult(
+                error=f"The result is larger than {self.nc.max_payload} bytes; "
+                "select fewer rows or columns."
+            )
+            body = codec.encode(result)
+        self.metrics.queries.labels("error" if result.error else "ok").inc()
+        if msg.reply:
+            await msg.respond(body)

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class MeteringSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOLLGATE_METERING_", extra="ignore")
+
+    host: str = Field(default="127.0.0.1", description="Health and metrics listen address.")
+    port: int = Field(default=8082, description="Health and metrics listen port.")
+    clickhouse_dsn: SecretStr | None = Field(
+        default=None,
+        description=(
+            "chdb:///path for the embedded engine (default <var>/clickhouse), or "
+            "http(s)://user:password@host:8123 for a ClickHouse server."
+        ),
+    )
+    database: str = Field(default="tollgate", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    durable: str = Field(default="metering", description="Name of the durable consumer.")
+    batch_max_rows: int = Field(default=5000, ge=1, description="Insert at most this many rows.")
+    batch_max_wait_s: float = Field(
+        default=0.5, gt=0, description="Insert a partial batch this long after its first event."
+    )
+    ack_wait_s: float = Field(
+        default=60.0, gt=1, description="Redelivery delay for events not acked (a crashed writer)."
+    )
+    retry_max_s: float = Field(default=10.0, gt=0, description="Longest back-off between retries.")
+    query_max_rows: int = Field(default=10_000, ge=1, description="Most rows a query returns.")
+    query_timeout_s: float = Field(default=30.0, gt=0, description="max_execution_time of queries.")
+
+    def dsn(self, var_dir: Path) -> str:
+        if self.clickhouse_dsn is not None:
+            return self.clickhouse_dsn.get_secret_value()
+        return f"chdb://{(var_dir / 'clickhouse').resolve()}"

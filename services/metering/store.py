@@ -1,0 +1,277 @@
+"""ClickHouse access for the metering service: schema, inserts and read-only queries.
+
+The same SQL runs on the embedded engine (``chdb:///path``: ClickHouse in this
+process) and on a ClickHouse server (``http(s)://...``). clickhouse-connect
+has no async client for chDB, so every method here is blocking; the service
+calls them from worker threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import clickhouse_connect
+import orjson
+from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
+
+from tollgate.catalog import Catalog
+from tollgate.contracts import QueryResult
+
+log = logging.getLogger("tollgate.metering.store")
+
+USAGE_TABLE = "usage_events"
+_STATEMENT_END = re.compile(r";\s*(?:\n|$)")
+
+
+class StoreUnavailable(Exception):
+    """ClickHouse cannot be reached (retry later); not a problem with the data."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()
+
+    @property
+    def statements(self) -> list[str]:
+        return [s.strip() for s in _STATEMENT_END.split(self.sql) if _has_code(s)]
+
+
+def _has_code(text: str) -> bool:
+    return any(line.strip() and not line.strip().startswith("--") for line in text.splitlines())
+
+
+def load_migrations() -> list[Migration]:
+    """The versioned schema files, in order (``NNNN_name.sql``)."""
+    folder = resources.files("services.metering").joinpath("migrations")
+    found = []
+    for item in folder.iterdir():
+        match = re.fullmatch(r"(\d{4})_(\w+)\.sql", item.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], item.read_text()))
+    return sorted(found, key=lambda m: m.version)
+
+
+def _client(dsn: str, database: str | None = None) -> Client:
+    kwargs: dict[str, Any] = {"dsn": dsn}
+    if database is not None:
+        kwargs["database"] = database
+    if not dsn.startswith("chdb:"):
+        kwargs.update(connect_timeout=5, send_receive_timeout=60, autogenerate_session_id=False)
+    try:
+        return clickhouse_connect.get_client(**kwargs)
+    except OperationalError as exc:
+        raise StoreUnavailable(str(exc)) from exc
+
+
+def _midnight(day: date) -> datetime:
+    return datetime.combine(day, datetime.min.time(), UTC)
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return value
+
+
+class UsageStore:
+    """The metering service's ClickHouse connection (the only writer)."""
+
+    def __init__(self, dsn: str, database: str, query_timeout_s: float = 30.0) -> None:
+        self.dsn = dsn
+        self.database = database
+        self.query_timeout_s = query_timeout_s
+        self.embedded = dsn.startswith("chdb:")
+        self._writer: Client | None = None
+        self._reader: Client | None = None
+
+    # -- connection --------------------------------------------------------
+
+    def open(self) -> UsageStore:
+        if self.embedded:
+            path = self.dsn.removeprefix("chdb://")
+            if path.startswith("/"):
+                Path(path).mkdir(parents=True, exist_ok=True)
+        admin = _client(self.dsn)
+        admin.command(f"CREATE DATABASE IF NOT EXISTS {self.database}")
+        self._writer = _client(self.dsn, self.database)
+        self._reader = _client(self.dsn, self.database)
+        if self.embedded:
+            # A chDB handle applies per-query settings with SET and restores
+            # them afterwards, which `readonly` forbids; this handle is made
+            # read-only once, for good. (`readonly = 2` still lets a query set
+            # its own limits, never `readonly` itself.)
+            self._reader.command("SET readonly = 2")
+        return self
+
+    @property
+    def writer(self) -> Client:
+        if self._writer is None:
+            raise RuntimeError("store is not open")
+        return self._writer
+
+    def ping(self) -> bool:
+        try:
+            self.writer.command("SELECT 1")
+        except (DatabaseError, OperationalError):
+            return False
+        return True
+
+    def close(self) -> None:
+        for client in (self._reader, self._writer):
+            if client is not None:
+                client.close()
+        self._reader = self._writer = None
+
+    # -- schema ------------------------------------------------------------
+
+    def migrate(self) -> list[Migration]:
+        """Apply the migrations not applied yet; the ones applied now."""
+        client = self.writer
+        client.command(
+            "CREATE TABLE IF NOT EXISTS schema_migrations"
+            " (version UInt32, name String, checksum String,"
+            " applied_at DateTime64(3, 'UTC') DEFAULT now64(3))"
+            " ENGINE = MergeTree ORDER BY version"
+        )
+        applied = {
+            int(row[0]): str(row[1])
+            for row in client.query("SELECT version, checksum FROM schema_migrations").result_rows
+        }
+        done = []
+        for migration in load_migrations():
+            known = applied.get(migration.version)
+            if known is not None:
+                if known != migration.checksum:
+                    raise RuntimeError(
+                        f"migration {migration.version:04d}_{migration.name} was changed after "
+                        "it was applied; add a new migration instead"
+                    )
+                continue
+            for statement in migration.statements:
+                client.command(statement)
+            client.insert(
+                "schema_migrations",
+                [[migration.version, migration.name, migration.checksum]],
+                column_names=["version", "name", "checksum"],
+            )
+            log.info("migration applied", extra={"version": migration.version})
+            done.append(migration)
+        return done
+
+    def sync_prices(self, catalog: Catalog) -> int:
+        """Write the catalog's prices.
+
+        Rows are keyed by (model, valid_from) in a ReplacingMergeTree and read
+        with FINAL, so writing them on every start is idempotent, and a price
+        edited in the catalog replaces the stored one.
+        """
+        rows = [
+            [
+                entry.id,
+                _midnight(price.valid_from),
+                None if price.valid_to is None else _midnight(price.valid_to),
+                price.prompt,
+                price.completion,
+                price.currency,
+            ]
+            for entry in catalog.models.values()
+            for price in entry.prices
+        ]
+        if rows:
+            self.writer.insert(
+                "prices",
+                rows,
+                column_names=[
+                    "model",
+                    "valid_from",
+                    "valid_to",
+                    "prompt_per_million",
+                    "completion_per_million",
+                    "currency",
+                ],
+            )
+        return len(rows)
+
+    # -- writes ------------------------------------------------------------
+
+    def existing_ids(self, ids: list[str], time_from: float, time_to: float) -> set[str]:
+        """The ids among ``ids`` already stored (rows of one event share its time)."""
+        if not ids:
+            return set()
+        result = self._call(
+            self.writer.query,
+            f"SELECT request_id FROM {USAGE_TABLE}"
+            " WHERE time >= toDateTime64({lo:Float64}, 3, 'UTC')"
+            " AND time <= toDateTime64({hi:Float64}, 3, 'UTC')"
+            " AND request_id IN {ids:Array(String)}",
+            parameters={"lo": time_from - 0.001, "hi": time_to + 0.001, "ids": ids},
+        )
+        return {str(row[0]) for row in result.result_rows}
+
+    def insert(self, rows: list[dict[str, Any]]) -> None:
+        """Insert usage rows (JSON objects with the usage_events columns)."""
+        if not rows:
+            return
+        block = b"\n".join(orjson.dumps(row) for row in rows)
+        self._call(
+            self.writer.raw_insert,
+            USAGE_TABLE,
+            insert_block=block,
+            fmt="JSONEachRow",
+            settings={"input_format_skip_unknown_fields": 1},
+        )
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except OperationalError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+
+    # -- reads -------------------------------------------------------------
+
+    def query(self, sql: str, parameters: dict[str, Any], max_rows: int) -> QueryResult:
+        """Run one statement read-only, as ClickHouse enforces it (``readonly``)."""
+        if self._reader is None:
+            raise RuntimeError("store is not open")
+        settings: dict[str, Any] = {
+            "max_result_rows": max_rows + 1,
+            "result_overflow_mode": "break",
+            "max_execution_time": self.query_timeout_s,
+        }
+        if not self.embedded:
+            settings["readonly"] = 2
+        try:
+            result = self._reader.query(sql, parameters=parameters, settings=settings)
+        except (DatabaseError, OperationalError) as exc:
+            return QueryResult(error=_clickhouse_message(exc))
+        rows = [[_json_value(v) for v in row] for row in result.result_rows]
+        return QueryResult(
+            columns=list(result.column_names),
+            types=[t.name for t in result.column_types],
+            rows=rows[:max_rows],
+            truncated=len(rows) > max_rows,
+        )
+
+
+def _clickhouse_message(exc: Exception) -> str:
+    """ClickHouse's own message, without the client's wrapping or a stack trace."""
+    text = str(exc).split("Stack trace")[0].strip()
+    code = re.search(r"Code: (\d+)\.", text)
+    message = text.rsplit("DB::Exception: ", 1)[-1].split(" (version ")[0].strip()
+    return (f"ClickHouse error {code[1]}: {message}" if code else message)[:2000]
