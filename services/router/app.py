@@ -92,7 +92,7 @@ def create_app(
         keys = KeyMirror(settings.hs256_secrets)
         app[KEYS] = keys
         if settings.auth:
-            await keys.start(js)
+            await keys.start(nc)
             if not await keys.wait_synced(timeout=10):
                 log.warning("key whitelist not loaded yet; not ready until it is")
         log.info("router started", extra={"router_id": settings.router_id, "auth": settings.auth})

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from nats.aio.client import Client as NATS
 
 from services.router.errors import ModelNotFound, QuotaExceeded, TollgateError
 from tollgate.catalog import ModelEntry
@@ -66,17 +67,40 @@ class KeyMirror:
     def ready(self) -> bool:
         return all(event.is_set() for event in self._synced.values())
 
-    async def start(self, js: Any) -> None:
-        store = await KeyStore(js).open()
+    async def start(self, nc: NATS) -> None:
+        store = await KeyStore(nc.jetstream()).open()
         self._tasks = [
-            asyncio.create_task(self._watch(store.keys, "keys", self._apply_key)),
-            asyncio.create_task(self._watch(store.signing, "signing", self._apply_signing)),
+            asyncio.create_task(self._watch(nc, store.keys, "keys", self._apply_key)),
+            asyncio.create_task(self._watch(nc, store.signing, "signing", self._apply_signing)),
         ]
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _watch(
+        self, nc: NATS, kv: Any, name: str, apply: Callable[[str, bytes | None], None]
+    ) -> None:
+        """Mirror one bucket; after every reconnect, watch it again from the start.
+
+        A watch is an ephemeral consumer that a NATS restart deletes, and
+        nats.py's ordered consumer does not always recover it (its activity
+        check stops at the first failed reset), so a new watch is started
+        instead. Replaying the bucket is idempotent: the latest value of every
+        key, and delete markers for removed keys.
+        """
+        while True:
+            reconnects = nc.stats["reconnects"]
+            follow = asyncio.create_task(self._follow(kv, name, apply))
+            try:
+                while not follow.done() and nc.stats["reconnects"] == reconnects:
+                    await asyncio.wait({follow}, timeout=0.5)
+            finally:
+                follow.cancel()
+                await asyncio.gather(follow, return_exceptions=True)
+            if nc.stats["reconnects"] != reconnects:
+                log.info("NATS reconnected: watching %s again", name)
 
     async def wait_synced(self, timeout: float) -> bool:
         with contextlib.suppress(TimeoutError):
@@ -85,7 +109,7 @@ class KeyMirror:
                     await event.wait()
         return self.ready
 
-    async def _watch(self, kv: Any, name: str, apply: Callable[[str, bytes | None], None]) -> None:
+    async def _follow(self, kv: Any, name: str, apply: Callable[[str, bytes | None], None]) -> None:
         while True:
             try:
                 watcher = await kv.watchall()

@@ -243,11 +243,11 @@ class OpenAIServing:
             kind = chunk.kind
             if kind is ChunkKind.START:
                 call.worker_id = chunk.worker_id
-                call.started_at = loop.time()
+                call.started_at = time.monotonic()
                 continue
             if kind is ChunkKind.DATA:
                 if call.first_output_at is None:
-                    call.first_output_at = loop.time()
+                    call.first_output_at = time.monotonic()
                 if chunk.usage is not None:
                     call.delivered = chunk.usage
             if kind is ChunkKind.USAGE and not prepared.wants_usage:
@@ -338,6 +338,8 @@ class OpenAIServing:
 
 
 def _since(start: float, end: float | None) -> float | None:
+    # Every timestamp of a call comes from time.monotonic(): the event loop's
+    # clock (uvloop's is cached, in milliseconds) would make these negative.
     return None if end is None else end - start
 
 

@@ -11,12 +11,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import NotFoundError
 
 from services.worker.engine import (
     Engine,
@@ -183,25 +185,58 @@ class WorkerConsumer:
 
     # -- the pull loop -----------------------------------------------------
 
-    async def _pull_loop(self) -> None:
+    async def _subscribe(self) -> Any:
         config = ConsumerConfig(
             durable_name=self.subjects.infer_consumer(self.model_id),
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.settings.ack_wait_s,
             max_ack_pending=-1,
         )
-        sub = await self.js.pull_subscribe(
+        await ensure_infer_stream(self.js, self.subjects, self.model_id)
+        return await self.js.pull_subscribe(
             self.subjects.infer(self.model_id),
             durable=config.durable_name,
             stream=self.subjects.infer_stream(self.model_id),
             config=config,
         )
+
+    async def _consumer_gone(self) -> bool:
+        """True when the work queue or its consumer no longer exists.
+
+        The queue is kept in memory: a NATS restart loses it and its consumer,
+        and a pull subscription on a vanished consumer only ever times out.
+        """
+        try:
+            await self.js.consumer_info(
+                self.subjects.infer_stream(self.model_id),
+                self.subjects.infer_consumer(self.model_id),
+            )
+        except NotFoundError:
+            return True
+        except Exception:  # NATS unreachable right now: ask again later
+            return False
+        return False
+
+    async def _pull_loop(self) -> None:
+        sub = await self._subscribe()
+        idle_since = time.monotonic()
         while not self._stopping.is_set():
             if len(self.inflight) >= self.engine.slots_total:
                 self._slot_freed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._slot_freed.wait(), 1.0)
                 continue
+            if time.monotonic() - idle_since > self.settings.queue_check_s:
+                idle_since = time.monotonic()
+                if await self._consumer_gone():
+                    log.warning("work queue vanished (NATS restarted?); subscribing again")
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+                    try:
+                        sub = await self._subscribe()
+                    except Exception as exc:
+                        log.warning("subscribe failed: %s", type(exc).__name__)
+                    continue
             try:
                 # One message per fetch: nats.py's fetch(batch=N) waits for the
                 # whole batch (or its timeout) once one message has arrived.
@@ -212,6 +247,7 @@ class WorkerConsumer:
                 log.warning("fetch failed: %s", type(exc).__name__)
                 await asyncio.sleep(0.5)
                 continue
+            idle_since = time.monotonic()
             for msg in msgs:
                 await self._accept(msg)
         with contextlib.suppress(Exception):

@@ -21,6 +21,9 @@ class WorkerSettings(BaseSettings):
     drain_timeout_s: float = Field(
         default=120.0, gt=0, description="How long SIGTERM waits for in-flight requests."
     )
+    queue_check_s: float = Field(
+        default=3.0, gt=0, description="After this long without work, check the queue still exists."
+    )
     ack_wait_s: float = Field(
         default=30.0, gt=0, description="Redelivery delay for a request fetched but not started."
     )

@@ -1,0 +1,207 @@
+"""The ClickHouse schema, rollups, prices and read-only queries on a real engine."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import random
+from datetime import UTC, date, datetime
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from services.metering import store as store_module
+from services.metering.store import Migration, UsageStore, load_migrations
+from tollgate.analytics import render, report_parameters, report_sql
+from tollgate.catalog import Catalog, ModelEntry, Price
+
+DAY = datetime(2026, 11, 2, tzinfo=UTC).timestamp()
+
+
+def event(i: int, **fields: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "request_id": f"req-{i}",
+        "time": DAY + i * 37.0,
+        "tenant": "acme" if i % 3 else "globex",
+        "key_id": f"key-{i % 4}",
+        "model": "m/a" if i % 2 else "m/b",
+        "worker_id": "w1",
+        "prompt_tokens": 10 + i % 11,
+        "completion_tokens": i % 29,
+        "outcome": "completed" if i % 10 else "cancelled",
+        "finish_reason": "stop",
+        "streamed": bool(i % 2),
+        "queue_s": 0.01,
+        "ttft_s": None if i % 7 == 0 else 0.05 + (i % 5) / 100,
+        "total_s": 0.2 + (i % 13) / 10,
+        "http_status": 200,
+        "stream_seq": i + 1,
+    }
+    row.update(fields)
+    return row
+
+
+def scalar(store: UsageStore, sql: str) -> Any:
+    return store.writer.query(sql).result_rows[0][0]
+
+
+def test_migrations_apply_once_and_refuse_an_edited_file(
+    store: UsageStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert store.migrate() == []
+    versions = [
+        r[0] for r in store.writer.query("SELECT version FROM schema_migrations").result_rows
+    ]
+    assert sorted(versions) == [m.version for m in load_migrations()] and len(versions) >= 3
+    edited = [Migration(m.version, m.name, m.sql + "\n-- edited\n") for m in load_migrations()]
+    monkeypatch.setattr(store_module, "load_migrations", lambda: edited)
+    with pytest.raises(RuntimeError, match="changed after it was applied"):
+        store.migrate()
+
+
+def test_rollups_equal_the_raw_rows(store: UsageStore) -> None:
+    rows = [event(i) for i in range(3000)]
+    for start in range(0, len(rows), 700):
+        store.insert(rows[start : start + 700])
+    raw = store.writer.query(
+        "SELECT tenant, model, count(), sum(prompt_tokens), sum(completion_tokens),"
+        " countIf(outcome != 'completed') FROM usage_events GROUP BY tenant, model ORDER BY 1, 2"
+    ).result_rows
+    for table in ("usage_hourly", "usage_daily"):
+        rolled = store.writer.query(
+            f"SELECT tenant, model, sum(requests), sum(prompt_tokens), sum(completion_tokens),"
+            f" sum(failed) FROM {table} GROUP BY tenant, model ORDER BY 1, 2"
+        ).result_rows
+        assert rolled == raw, table
+    expected = sum(r["completion_tokens"] for r in rows if r["tenant"] == "acme")
+    assert scalar(
+        store, "SELECT sum(completion_tokens) FROM usage_events WHERE tenant = 'acme'"
+    ) == (expected)
+    # Latency quantiles merge from the hourly states.
+    p95 = scalar(store, "SELECT quantilesMerge(0.5, 0.95, 0.99)(total_s)[2] FROM usage_hourly")
+    exact = sorted(r["total_s"] for r in rows)[int(0.95 * len(rows))]
+    assert abs(p95 - exact) < 0.15
+
+
+def test_cost_view_applies_the_price_in_force(store: UsageStore) -> None:
+    catalog = Catalog(
+        models={
+            "m/a": ModelEntry(
+                id="m/a",
+                source="file:///nowhere",
+                prices=[
+                    Price(
+                        valid_from=date(2026, 1, 1), prompt=Decimal("1"), completion=Decimal("2")
+                    ),
+                    Price(
+                        valid_from=date(2026, 11, 3), prompt=Decimal("3"), completion=Decimal("5")
+                    ),
+                ],
+            ),
+            "m/b": ModelEntry(
+                id="m/b",
+                source="file:///nowhere",
+                prices=[
+                    Price(
+                        valid_from=date(2026, 1, 1),
+                        valid_to=date(2026, 11, 3),
+                        prompt=Decimal("0.5"),
+                        completion=Decimal("0.5"),
+                        currency="EUR",
+                    )
+                ],
+            ),
+        }
+    )
+    assert store.sync_prices(catalog) == 3
+    store.sync_prices(catalog)  # idempotent: read with FINAL
+    assert scalar(store, "SELECT count() FROM prices FINAL") == 3
+    nov2, nov3 = DAY + 3600, DAY + 86400 + 3600
+    store.insert(
+        [
+            event(1, time=nov2, model="m/a", prompt_tokens=1_000_000, completion_tokens=500_000),
+            event(3, time=nov3, model="m/a", prompt_tokens=2_000_000, completion_tokens=0),
+            event(4, time=nov2, model="m/b", prompt_tokens=1_000_000, completion_tokens=1_000_000),
+            event(6, time=nov3, model="m/b", prompt_tokens=10, completion_tokens=10),
+        ]
+    )
+    got = {
+        (r[0], r[1].day): (r[2], r[3], r[4])
+        for r in store.writer.query(
+            "SELECT model, hour, cost, currency, priced FROM usage_cost"
+        ).result_rows
+    }
+    assert got == {
+        ("m/a", 2): (Decimal("2"), "USD", True),  # 1M x 1 + 0.5M x 2
+        ("m/a", 3): (Decimal("6"), "USD", True),  # the new price: 2M x 3
+        ("m/b", 2): (Decimal("1"), "EUR", True),
+        ("m/b", 3): (None, None, False),  # past valid_to: unpriced, not free
+    }
+
+
+def test_existing_ids_finds_stored_requests(store: UsageStore) -> None:
+    rows = [event(i) for i in range(50)]
+    store.insert(rows[:30])
+    ids = [r["request_id"] for r in rows]
+    found = store.existing_ids(ids, rows[0]["time"], rows[-1]["time"])
+    assert found == {f"req-{i}" for i in range(30)}
+
+
+def test_queries_are_read_only_by_clickhouse_settings(store: UsageStore) -> None:
+    store.insert([event(i) for i in range(20)])
+    refused = [
+        "INSERT INTO usage_events (request_id, tenant) VALUES ('x', 'x')",
+        "SELECT 1 SETTINGS readonly = 0",
+        "CREATE TABLE sneaky (a UInt8) ENGINE = Memory",
+        "DROP TABLE usage_events",
+        "ALTER TABLE usage_events DELETE WHERE 1",
+    ]
+    for sql in refused:
+        result = store.query(sql, {}, max_rows=10)
+        assert result.error is not None and "readonly" in result.error.lower(), (sql, result)
+    assert scalar(store, "SELECT count() FROM usage_events") == 20
+    # The writer is untouched by the reader's read-only mode.
+    store.insert([event(100)])
+    result = store.query("SELECT request_id FROM usage_events ORDER BY request_id", {}, 5)
+    assert result.error is None and len(result.rows) == 5 and result.truncated
+    bad = store.query("SELEC nonsense", {}, 5)
+    assert bad.error is not None and bad.error.startswith("ClickHouse error 62")
+    assert "Traceback" not in bad.error
+
+
+def test_usage_report_by_model_key_and_day(store: UsageStore) -> None:
+    rng = random.Random(7)
+    rows = [event(i, prompt_tokens=rng.randint(1, 500)) for i in range(600)]
+    store.insert(rows)
+    acme = [r for r in rows if r["tenant"] == "acme"]
+    params = report_parameters("acme", date(2026, 11, 1), date(2026, 12, 1))
+    by_model = store.query(report_sql("model"), params, 100)
+    assert by_model.error is None, by_model.error
+    got = {r[0]: (r[1], r[2], r[3]) for r in by_model.rows}
+    want: dict[str, tuple[int, int, int]] = {}
+    for r in acme:
+        n, p, c = want.get(r["model"], (0, 0, 0))
+        want[r["model"]] = (n + 1, p + r["prompt_tokens"], c + r["completion_tokens"])
+    assert got == want
+    by_key = store.query(report_sql("key"), params, 100)
+    assert sum(r[1] for r in by_key.rows) == len(acme) and len(by_key.rows) == 4
+    by_day = store.query(report_sql("day"), params, 100)
+    days = {datetime.fromtimestamp(r["time"], UTC).date().isoformat() for r in acme}
+    assert {r[0] for r in by_day.rows} == days
+    # Nothing outside the range, nothing of other tenants.
+    empty = store.query(
+        report_sql("model"), report_parameters("acme", date(2026, 12, 1), date(2027, 1, 1)), 9
+    )
+    assert empty.rows == []
+
+    table = render(by_model, "table").splitlines()
+    assert table[0].split()[:3] == ["model", "requests", "prompt_tokens"]
+    assert len(table) == 2 + len(want)
+    parsed = list(csv.DictReader(io.StringIO(render(by_model, "csv"))))
+    assert {r["model"]: int(r["requests"]) for r in parsed} == {m: v[0] for m, v in want.items()}
+    objects = json.loads(render(by_model, "json"))
+    assert {o["model"]: o["completion_tokens"] for o in objects} == {
+        m: v[2] for m, v in want.items()
+    }
