@@ -5,6 +5,8 @@
    concurrency 1 and 16.
 2. Gateway hop: the simulated engine through Tollgate vs the same engine
    behind a bare HTTP server: added latency and sustainable request rate.
+3. Metering: usage events into ClickHouse (rate vs inserting directly, lag
+   at 1,000 events/s) and router latency with the metering service on vs off.
 
 Results go to docs/benchmarks.md (and bench/results/latest.json).
 """
@@ -281,7 +283,7 @@ def revocation_times(nats: str, work: Path, routers: list[str], quick: bool) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer requests per point")
-    parser.add_argument("--only", choices=["inference", "gateway"])
+    parser.add_argument("--only", choices=["inference", "gateway", "metering"])
     ns = parser.parse_args()
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -300,6 +302,14 @@ def main() -> None:
         }
         if ns.only in (None, "gateway"):
             results["gateway"] = {**bench_gateway(work, env, ns.quick), "date": results["date"]}
+        if ns.only in (None, "metering"):
+            from bench.metering import bench_ingest, bench_router_overhead
+
+            results["metering"] = {
+                "ingest": bench_ingest(work, env, ns.quick),
+                "router": bench_router_overhead(work, env, ns.quick, sim_body()),
+                "date": results["date"],
+            }
         if ns.only in (None, "inference"):
             results["inference"] = {
                 **bench_inference(work, env, ns.quick),

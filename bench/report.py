@@ -132,14 +132,63 @@ def _auth(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def _metering(r: dict[str, Any]) -> list[str]:
+    ingest, router = r["ingest"], r["router"]
+    lag = ingest["lag"]
+    off, on = router["off"], router["on"]
+    lines = [
+        "## Metering: usage events into ClickHouse",
+        "",
+        f"Measured {r.get('date', '')}. Embedded ClickHouse (chDB) and nats-server on this "
+        "machine; the metering service in its own process, batches of up to 5,000 rows.",
+        "",
+        "| metric | value | baseline | ratio |",
+        "|---|---|---|---|",
+        f"| events/s from JetStream into ClickHouse ({ingest['events']:,} events waiting) | "
+        f"{ingest['ingest_per_s']:,.0f} | {ingest['direct_insert_per_s']:,.0f} (same rows and "
+        f"batches inserted directly, no NATS) | "
+        f"{_ratio(ingest['ingest_per_s'], ingest['direct_insert_per_s'])} |",
+        f"| lag p50, request end to stored row, at 1,000 events/s (ms) | {lag['p50_ms']:.0f} | | |",
+        f"| lag p99 (ms) | {lag['p99_ms']:.0f} | | |",
+        f"| lag max (ms) | {lag['max_ms']:.0f} | | |",
+        "",
+        f"Lag: {lag['sent']:,} events published at a steady 1,000/s, each stamped with its "
+        "publish time as its request end; the row's `ingested_at` is when ClickHouse stored "
+        f"it ({lag['stored']:,.0f} rows stored). The service collects a batch for up to "
+        "1 s after its first event (`TOLLGATE_METERING_BATCH_MAX_WAIT_S`).",
+        "",
+        "Router latency while the metering service runs vs while it is stopped (usage "
+        "events still go to JetStream either way), simulated engine, non-streaming, "
+        "alternating rounds:",
+        "",
+        "| concurrency | metric | metering off | metering on | off / on |",
+        "|---|---|---|---|---|",
+    ]
+    for level in ("c1", "c8"):
+        for key, label in (
+            ("latency_p50_ms", "latency p50 (ms)"),
+            ("latency_p99_ms", "latency p99 (ms)"),
+            ("requests_per_s", "requests/s"),
+        ):
+            a, b = off[level][key], on[level][key]
+            lines.append(f"| {level[1:]} | {label} | {a:.2f} | {b:.2f} | {_ratio(a, b)} |")
+    lines += [
+        "",
+        "For latency, off / on above 1 means the router is slower with metering running; "
+        "for requests/s, below 1.",
+        "",
+    ]
+    return lines
+
+
 def write_report(results: dict[str, Any], path: Path) -> None:
     lines = [
         "# Benchmarks",
         "",
-        "Every figure below comes from `make bench` (`python -m bench`; `--only gateway` or",
-        "`--only inference` reruns one part), with each system and its baseline measured side",
-        "by side in the same run. Performance is never asserted in the test suite; it is",
-        "measured here.",
+        "Every figure below comes from `make bench` (`python -m bench`; `--only gateway`,",
+        "`--only inference` or `--only metering` reruns one part), with each system and its",
+        "baseline measured side by side in the same run. Performance is never asserted in the",
+        "test suite; it is measured here.",
         "",
         f"- Machine: {results['machine']}",
         f"- Command: `{results['command']}`",
@@ -149,4 +198,6 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         lines += _inference(results["inference"])
     if "gateway" in results:
         lines += _gateway(results["gateway"])
+    if "metering" in results:
+        lines += _metering(results["metering"])
     path.write_text("\n".join(lines))

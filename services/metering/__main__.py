@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 import uvloop
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("metering", common.log_level)
     if ns.action == "migrate":
         return migrate(settings, common)
+    if settings.nice:
+        os.nice(settings.nice)
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     web.run_app(
         create_app(settings, common, load_catalog(common.catalog)),

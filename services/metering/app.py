@@ -55,7 +55,7 @@ def create_app(
             },
         )
         nc = await bus.connect(common.nats_url, name="metering")
-        ingest = UsageIngest(nc.jetstream(), store, common.subjects, settings, metrics)
+        ingest = UsageIngest(nc, store, common.subjects, settings, metrics)
         app[INGEST] = ingest
         await QueryResponder(nc, store, common.subjects, settings.query_max_rows, metrics).start()
         task = asyncio.create_task(ingest.run(), name="ingest")

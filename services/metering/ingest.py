@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from clickhouse_connect.driver.exceptions import DatabaseError
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
@@ -37,7 +37,7 @@ from pydantic import ValidationError
 from services.metering.metrics import MeteringMetrics
 from services.metering.settings import MeteringSettings
 from services.metering.store import StoreUnavailable, UsageStore
-from tollgate.bus import ensure_usage_stream
+from tollgate.bus import BatchPull, ensure_usage_stream
 from tollgate.contracts import UsageEvent
 from tollgate.subjects import Subjects
 
@@ -109,13 +109,14 @@ async def ensure_dead_letter_stream(js: JetStreamContext, subjects: Subjects) ->
 class UsageIngest:
     def __init__(
         self,
-        js: JetStreamContext,
+        nc: NATS,
         store: UsageStore,
         subjects: Subjects,
         settings: MeteringSettings,
         metrics: MeteringMetrics,
     ) -> None:
-        self.js = js
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
         self.store = store
         self.subjects = subjects
         self.settings = settings
@@ -135,58 +136,47 @@ class UsageIngest:
     async def run(self) -> None:
         await ensure_usage_stream(self.js, self.subjects)
         await ensure_dead_letter_stream(self.js, self.subjects)
-        sub = await self.js.pull_subscribe(
-            self.subjects.usage_all,
-            durable=self.settings.durable,
-            stream=self.subjects.usage_stream,
-            config=ConsumerConfig(
+        await self.js.add_consumer(
+            self.subjects.usage_stream,
+            ConsumerConfig(
+                durable_name=self.settings.durable,
+                filter_subject=self.subjects.usage_all,
                 ack_policy=AckPolicy.EXPLICIT,
                 ack_wait=self.settings.ack_wait_s,
                 max_ack_pending=self.settings.batch_max_rows * 4,
                 max_deliver=-1,
             ),
         )
+        puller = await BatchPull(self.nc, self.subjects.usage_stream, self.settings.durable).start()
         self.running = True
+        # The next batch is collected while the previous one is written: the
+        # insert runs in the writer thread, off the event loop.
+        writing: asyncio.Task[None] | None = None
         try:
             while not self._stopping.is_set():
-                msgs = await self._collect(sub)
+                msgs = await self._collect(puller)
+                if writing is not None:
+                    await writing
+                    writing = None
                 if msgs:
-                    await self._process(msgs)
+                    writing = asyncio.create_task(self._process(msgs))
+            if writing is not None:
+                await writing
         finally:
             self.running = False
-            # A pull subscription left mid-fetch would hold up the connection's drain.
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await puller.stop()
             self._writes.shutdown(wait=True)
 
-    async def _collect(self, sub: Any) -> list[Msg]:
+    async def _collect(self, puller: BatchPull) -> list[Msg]:
         """A batch: up to batch_max_rows, or what arrived batch_max_wait_s after the first."""
-        msgs: list[Msg] = []
-        closes_at = 0.0
-        limit = self.settings.batch_max_rows
-        while len(msgs) < limit:
-            if msgs:
-                timeout = closes_at - time.monotonic()
-                if timeout <= 0.005:
-                    break
-            elif self._stopping.is_set():
-                break
-            else:
-                timeout = 1.0
-            try:
-                got = await sub.fetch(limit - len(msgs), timeout=timeout)
-            except (TimeoutError, NatsTimeoutError):
-                continue
-            except Exception as exc:  # NATS reconnecting: keep what we have
-                log.warning("usage fetch failed: %s", type(exc).__name__)
-                if msgs:
-                    break
-                await asyncio.sleep(0.5)
-                continue
-            if not msgs:
-                closes_at = time.monotonic() + self.settings.batch_max_wait_s
-            msgs.extend(got)
-        return msgs
+        try:
+            return await puller.fetch(
+                self.settings.batch_max_rows, timeout=1.0, window=self.settings.batch_max_wait_s
+            )
+        except Exception as exc:  # NATS reconnecting: ask again shortly
+            log.warning("usage fetch failed: %s", type(exc).__name__)
+            await asyncio.sleep(0.5)
+            return []
 
     async def _process(self, msgs: list[Msg]) -> None:
         now = time.time()

@@ -22,10 +22,19 @@ class MeteringSettings(BaseSettings):
     durable: str = Field(default="metering", description="Name of the durable consumer.")
     batch_max_rows: int = Field(default=5000, ge=1, description="Insert at most this many rows.")
     batch_max_wait_s: float = Field(
-        default=0.5, gt=0, description="Insert a partial batch this long after its first event."
+        default=1.0, gt=0, description="Insert a partial batch this long after its first event."
     )
     ack_wait_s: float = Field(
         default=60.0, gt=1, description="Redelivery delay for events not acked (a crashed writer)."
+    )
+    nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description=(
+            "CPU niceness added at start: on a shared host, request serving gets the CPU "
+            "first and the meter uses what is left (its rows may lag, never drop)."
+        ),
     )
     retry_max_s: float = Field(default=10.0, gt=0, description="Longest back-off between retries.")
     query_max_rows: int = Field(default=10_000, ge=1, description="Most rows a query returns.")

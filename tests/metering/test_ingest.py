@@ -103,7 +103,7 @@ async def harness(nats_server: NatsServer, store: UsageStore) -> AsyncIterator[H
     subjects = Subjects(f"t{uuid.uuid4().hex[:8]}")
     metrics = MeteringMetrics()
     settings = MeteringSettings(batch_max_rows=100, batch_max_wait_s=0.2, retry_max_s=0.2)
-    ingest = UsageIngest(nc.jetstream(), store, subjects, settings, metrics)
+    ingest = UsageIngest(nc, store, subjects, settings, metrics)
     task = asyncio.create_task(ingest.run())
     h = Harness(nc, nc.jetstream(), subjects, store, ingest, metrics)
     await h.until(lambda: ingest.running)
