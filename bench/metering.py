@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -108,6 +109,12 @@ async def publish_paced(nats: str, tenant: str, rate: int, seconds: float) -> in
     return sent
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def metric(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=5).text
     for family in text_string_to_metric_families(text):
@@ -195,7 +202,7 @@ def bench_ingest(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any]
         out["publish_per_s"] = asyncio.run(publish_all(nats, events))
         print(f"metering: {n} events in the stream; starting the service", flush=True)
         started = time.perf_counter()
-        _, url = start_metering(procs, nats, f"chdb://{work / 'clickhouse-ingest'}")
+        proc, url = start_metering(procs, nats, f"chdb://{work / 'clickhouse-ingest'}")
         ready = time.perf_counter()
         while metric(url, "tollgate_metering_events_inserted_total") < n:
             time.sleep(0.05)
@@ -204,8 +211,13 @@ def bench_ingest(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any]
         out["service_start_s"] = ready - started
         seconds = 10 if quick else 30
         print(f"metering: lag at 1,000 events/s for {seconds} s", flush=True)
+        cpu_before, wall_before = cpu_seconds(proc.pid), time.perf_counter()
         sent = asyncio.run(publish_paced(nats, "lag", 1000, seconds))
         asyncio.run(caught_up(nats))
+        out["cpu_s_per_1000_events"] = 1000 * (cpu_seconds(proc.pid) - cpu_before) / sent
+        out["cpu_share_at_1000_per_s"] = (cpu_seconds(proc.pid) - cpu_before) / (
+            time.perf_counter() - wall_before
+        )
         count, p50, p99, worst = asyncio.run(lag_quantiles(nats, "lag"))
         out["lag"] = {"sent": sent, "stored": count, "p50_ms": p50, "p99_ms": p99, "max_ms": worst}
     print(f"  {out}", flush=True)
@@ -213,7 +225,7 @@ def bench_ingest(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any]
 
 
 def bench_router_overhead(
-    work: Path, env: dict[str, str], quick: bool, sim_body: dict[str, Any], rounds: int = 3
+    work: Path, env: dict[str, str], quick: bool, sim_body: dict[str, Any], rounds: int = 4
 ) -> dict[str, Any]:
     """Router latency while the metering service runs vs while it is stopped."""
     print("metering: router latency with the metering service on vs off", flush=True)
@@ -232,7 +244,10 @@ def bench_router_overhead(
                 proc = None
                 if state == "on":
                     proc, _ = start_metering(procs, nats, dsn)
+                    # Steady state: the backlog of the "off" round stored, and
+                    # ClickHouse's merges of those parts done.
                     asyncio.run(caught_up(nats))
+                    time.sleep(3)
                 for concurrency in (1, 8):
                     stats = asyncio.run(
                         run_load(url, [sim_body] * n, concurrency, stream=False, headers=headers)

@@ -151,6 +151,10 @@ def _metering(r: dict[str, Any]) -> list[str]:
         f"| lag p50, request end to stored row, at 1,000 events/s (ms) | {lag['p50_ms']:.0f} | | |",
         f"| lag p99 (ms) | {lag['p99_ms']:.0f} | | |",
         f"| lag max (ms) | {lag['max_ms']:.0f} | | |",
+        f"| metering CPU per 1,000 events (CPU-seconds, all threads) | "
+        f"{ingest.get('cpu_s_per_1000_events', float('nan')):.3f} | | |",
+        f"| metering CPU share at 1,000 events/s (cores) | "
+        f"{ingest.get('cpu_share_at_1000_per_s', float('nan')):.3f} | | |",
         "",
         f"Lag: {lag['sent']:,} events published at a steady 1,000/s, each stamped with its "
         "publish time as its request end; the row's `ingested_at` is when ClickHouse stored "

@@ -58,7 +58,8 @@ def report_sql(by: ReportBy) -> str:
     """One tenant's usage and cost over [from, to), grouped by model, key or day.
 
     Reads the hourly rollup through the ``usage_cost`` view, so prices apply
-    per hour; ``unpriced_requests`` counts usage no price covers.
+    per hour; ``unpriced_requests`` counts usage no price covers (its
+    currency is empty). A group priced in two currencies has one line each.
     """
     expr, name = _GROUPS[by]
     # Columns are qualified (c.) so that the output aliases never shadow them.
@@ -69,12 +70,12 @@ def report_sql(by: ReportBy) -> str:
         " sum(c.completion_tokens) AS completion_tokens,"
         " sum(c.prompt_tokens + c.completion_tokens) AS total_tokens,"
         " sum(c.cost) AS cost,"
-        " any(c.currency) AS currency,"
+        " c.currency AS currency,"
         " sumIf(c.requests, NOT c.priced) AS unpriced_requests"
         " FROM usage_cost AS c"
         " WHERE c.tenant = {tenant:String}"
-        " AND c.hour >= {start:DateTime} AND c.hour < {end:DateTime}"
-        f" GROUP BY {name} ORDER BY {name}"
+        " AND c.hour >= {start:DateTime('UTC')} AND c.hour < {end:DateTime('UTC')}"
+        f" GROUP BY {name}, currency ORDER BY {name}, currency"
     )
 
 

@@ -141,7 +141,9 @@ class BatchPull:
             self._sub = None
 
     async def _on_message(self, msg: Msg) -> None:
-        status = msg.headers.get("Status") if msg.headers else None
+        # Status messages (404, 408, 409, 100) come without a reply subject;
+        # every stream message has one (its ack subject).
+        status = msg.headers.get("Status") if msg.headers and not msg.reply else None
         if status is not None:
             if status != "100":  # 404 no messages, 408 expired, 409 ...: that pull is over
                 self._ended.set()
@@ -158,7 +160,7 @@ class BatchPull:
             self._arrived.clear()
             self._full.clear()
             self._ended.clear()
-            request = {"batch": batch - len(self._box), "expires": int(timeout * 1e9)}
+            request = {"batch": batch - len(self._box), "expires": int((timeout + window) * 1e9)}
             await self.nc.publish(self.subject, orjson.dumps(request), reply=self._inbox)
             if not self._box:
                 with contextlib.suppress(TimeoutError):

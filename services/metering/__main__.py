@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         return migrate(settings, common)
     if settings.nice:
         os.nice(settings.nice)
+        # SCHED_BATCH: a waking meter does not preempt request serving.
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     web.run_app(
         create_app(settings, common, load_catalog(common.catalog)),

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -35,6 +37,14 @@ def open_store(settings: MeteringSettings, common: CommonSettings) -> UsageStore
     ).open()
 
 
+def _exit_if_failed(task: asyncio.Task[None]) -> None:
+    """A writer that stopped on its own must not leave a healthy-looking process."""
+    if task.cancelled() or task.exception() is None:
+        return
+    log.critical("usage writer stopped", exc_info=task.exception())
+    os.kill(os.getpid(), signal.SIGTERM)  # stop; the supervisor starts it again
+
+
 def create_app(
     settings: MeteringSettings, common: CommonSettings, catalog: Catalog
 ) -> web.Application:
@@ -59,6 +69,7 @@ def create_app(
         app[INGEST] = ingest
         await QueryResponder(nc, store, common.subjects, settings.query_max_rows, metrics).start()
         task = asyncio.create_task(ingest.run(), name="ingest")
+        task.add_done_callback(_exit_if_failed)
         yield
         # Finish the batch in hand (insert, then ack) before leaving.
         ingest.stop()

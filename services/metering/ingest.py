@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import time
@@ -31,12 +32,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NoStreamResponseError
 from pydantic import ValidationError
 
 from services.metering.metrics import MeteringMetrics
 from services.metering.settings import MeteringSettings
-from services.metering.store import StoreUnavailable, UsageStore
+from services.metering.store import DATA_ERRORS, StoreUnavailable, UsageStore, error_code
 from tollgate.bus import BatchPull, ensure_usage_stream
 from tollgate.contracts import UsageEvent
 from tollgate.subjects import Subjects
@@ -46,7 +47,8 @@ log = logging.getLogger("tollgate.metering.ingest")
 T = TypeVar("T")
 
 _UINT32 = 2**32
-_EARLIEST = 946_684_800.0  # 2000-01-01: older times are corrupt, not late
+_EARLIEST = 946_684_800.0
+_DEAD_LETTER_MAX_BYTES = 64 * 1024  # 2000-01-01: older times are corrupt, not late
 
 
 class PoisonEvent(ValueError):
@@ -133,20 +135,32 @@ class UsageIngest:
     async def _write(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._writes, fn, *args)
 
+    async def _setup(self) -> None:
+        """Streams and the durable consumer; retried while JetStream is not ready."""
+        delay = 0.2
+        while True:
+            try:
+                await ensure_usage_stream(self.js, self.subjects)
+                await ensure_dead_letter_stream(self.js, self.subjects)
+                await self.js.add_consumer(
+                    self.subjects.usage_stream,
+                    ConsumerConfig(
+                        durable_name=self.settings.durable,
+                        filter_subject=self.subjects.usage_all,
+                        ack_policy=AckPolicy.EXPLICIT,
+                        ack_wait=self.settings.ack_wait_s,
+                        max_ack_pending=self.settings.batch_max_rows * 4,
+                        max_deliver=-1,
+                    ),
+                )
+                return
+            except Exception as exc:
+                log.warning("usage consumer not set up yet: %s", type(exc).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.retry_max_s)
+
     async def run(self) -> None:
-        await ensure_usage_stream(self.js, self.subjects)
-        await ensure_dead_letter_stream(self.js, self.subjects)
-        await self.js.add_consumer(
-            self.subjects.usage_stream,
-            ConsumerConfig(
-                durable_name=self.settings.durable,
-                filter_subject=self.subjects.usage_all,
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=self.settings.ack_wait_s,
-                max_ack_pending=self.settings.batch_max_rows * 4,
-                max_deliver=-1,
-            ),
-        )
+        await self._setup()
         puller = await BatchPull(self.nc, self.subjects.usage_stream, self.settings.durable).start()
         self.running = True
         # The next batch is collected while the previous one is written: the
@@ -159,13 +173,23 @@ class UsageIngest:
                     await writing
                     writing = None
                 if msgs:
-                    writing = asyncio.create_task(self._process(msgs))
+                    writing = asyncio.create_task(self._process_safely(msgs))
             if writing is not None:
                 await writing
         finally:
             self.running = False
             await puller.stop()
-            self._writes.shutdown(wait=True)
+            # A ClickHouse call still running finishes in its thread; the
+            # event loop does not wait for it.
+            self._writes.shutdown(wait=False)
+
+    async def _process_safely(self, msgs: list[Msg]) -> None:
+        try:
+            await self._process(msgs)
+        except Exception:
+            # Nothing of this batch was acked: the server delivers it again
+            # after ack_wait, and the ids already stored are skipped then.
+            log.exception("usage batch failed; it will be delivered again")
 
     async def _collect(self, puller: BatchPull) -> list[Msg]:
         """A batch: up to batch_max_rows, or what arrived batch_max_wait_s after the first."""
@@ -212,6 +236,10 @@ class UsageIngest:
         self.metrics.duplicates.inc(len(rows) - len(fresh))
         started = time.perf_counter()
         refused = await self._insert_or_split(fresh)
+        if len(fresh) > 1 and len(refused) == len(fresh):
+            # Every row refused, though each passed validation: the table
+            # changed (schema drift), not the data. Retry; blame no row.
+            raise StoreUnavailable(f"ClickHouse refused the whole batch: {refused[0][1]}")
         self.metrics.insert_seconds.observe(time.perf_counter() - started)
         self.metrics.inserted.inc(len(fresh) - len(refused))
         if refused:
@@ -231,6 +259,8 @@ class UsageIngest:
             await self._write(self.store.insert, rows)
             return []
         except DatabaseError as exc:
+            if error_code(exc) not in DATA_ERRORS:
+                raise StoreUnavailable(str(exc)) from exc
             if len(rows) == 1:
                 return [(rows[0], f"ClickHouse refused the row: {str(exc)[:500]}")]
         half = len(rows) // 2
@@ -255,29 +285,43 @@ class UsageIngest:
             except StoreUnavailable as exc:
                 self.metrics.insert_failures.inc()
                 log.warning("ClickHouse unavailable, retrying: %s", str(exc)[:200])
+            if self._stopping.is_set():
+                # Leave unacked: delivered again when the service is back.
+                raise StoreUnavailable("stopping with the batch not stored")
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.settings.retry_max_s)
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
         """Keep the message on the dead-letter stream, with why; retried until stored."""
         seq = msg.metadata.sequence.stream
+        data = msg.data
         headers = {
             "Nats-Msg-Id": f"usage-{seq}",
-            "Tollgate-Reason": reason[:1000],
-            "Tollgate-Subject": msg.subject,
+            "Tollgate-Reason": reason[:500],
+            "Tollgate-Subject": msg.subject[:200],
             "Tollgate-Stream-Seq": str(seq),
+            "Tollgate-Sha256": hashlib.sha256(data).hexdigest(),
         }
+        if len(data) > _DEAD_LETTER_MAX_BYTES:
+            # The headers must fit beside the body; the digest names the original.
+            data = data[:_DEAD_LETTER_MAX_BYTES]
+            headers["Tollgate-Truncated"] = str(len(msg.data))
         delay = 0.2
         while True:
             try:
                 await self.js.publish(
-                    self.subjects.usage_dead_letter, msg.data, headers=headers, timeout=5
+                    self.subjects.usage_dead_letter, data, headers=headers, timeout=5
                 )
                 break
+            except NoStreamResponseError:
+                with contextlib.suppress(Exception):
+                    await ensure_dead_letter_stream(self.js, self.subjects)
             except Exception as exc:
                 log.warning("dead-letter publish failed: %s", type(exc).__name__)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.settings.retry_max_s)
+            if self._stopping.is_set():
+                raise StoreUnavailable("stopping with a dead letter not stored")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.settings.retry_max_s)
         self.metrics.dead_lettered.inc()
         log.error("usage message dead-lettered", extra={"stream_seq": seq, "reason": reason})
 

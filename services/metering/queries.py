@@ -51,12 +51,16 @@ class QueryResponder:
             result = QueryResult(error="The query request is not a valid tg.query.v1 message.")
         else:
             async with self._one_at_a_time:
-                result = await asyncio.to_thread(
-                    self.store.query,
-                    request.sql,
-                    request.parameters,
-                    min(request.max_rows, self.max_rows),
-                )
+                try:
+                    result = await asyncio.to_thread(
+                        self.store.query,
+                        request.sql,
+                        request.parameters,
+                        min(request.max_rows, self.max_rows),
+                    )
+                except Exception:
+                    log.exception("query failed")
+                    result = QueryResult(error="The metering service could not run the query.")
         body = codec.encode(result)
         if len(body) > self.nc.max_payload:
             result = QueryResult(

@@ -31,6 +31,35 @@ USAGE_TABLE = "usage_events"
 _STATEMENT_END = re.compile(r";\s*(?:\n|$)")
 
 
+# ClickHouse error codes that mean "this data cannot be stored": only these
+# make the writer look for the rows to blame (and dead-letter them).
+DATA_ERRORS = frozenset(
+    {
+        6,  # CANNOT_PARSE_TEXT
+        26,  # CANNOT_PARSE_QUOTED_STRING
+        27,  # CANNOT_PARSE_INPUT_ASSERTION_FAILED
+        38,  # CANNOT_PARSE_DATE
+        41,  # CANNOT_PARSE_DATETIME
+        53,  # TYPE_MISMATCH
+        69,  # ARGUMENT_OUT_OF_BOUND
+        70,  # CANNOT_CONVERT_TYPE
+        72,  # CANNOT_PARSE_NUMBER
+        117,  # INCORRECT_DATA
+        131,  # TOO_LARGE_STRING_SIZE
+        321,  # VALUE_IS_OUT_OF_RANGE_OF_DATA_TYPE
+        349,  # CANNOT_INSERT_NULL_IN_ORDINARY_COLUMN
+    }
+)
+
+
+def error_code(exc: Exception) -> int | None:
+    code = getattr(exc, "code", None)
+    if isinstance(code, int):
+        return code
+    match = re.search(r"Code: (\d+)\.", str(exc))
+    return int(match[1]) if match else None
+
+
 class StoreUnavailable(Exception):
     """ClickHouse cannot be reached (retry later); not a problem with the data."""
 
@@ -108,9 +137,16 @@ class UsageStore:
             if path.startswith("/"):
                 Path(path).mkdir(parents=True, exist_ok=True)
         admin = _client(self.dsn)
-        admin.command(f"CREATE DATABASE IF NOT EXISTS {self.database}")
+        try:
+            admin.command(f"CREATE DATABASE IF NOT EXISTS {self.database}")
+        finally:
+            admin.close()
         self._writer = _client(self.dsn, self.database)
-        self._reader = _client(self.dsn, self.database)
+        try:
+            self._reader = _client(self.dsn, self.database)
+        except Exception:
+            self._writer.close()
+            raise
         if self.embedded:
             # A chDB handle applies per-query settings with SET and restores
             # them afterwards, which `readonly` forbids; this handle is made
@@ -214,7 +250,7 @@ class UsageStore:
         """The ids among ``ids`` already stored (rows of one event share its time)."""
         if not ids:
             return set()
-        result = self._call(
+        result = self._call_any(
             self.writer.query,
             f"SELECT request_id FROM {USAGE_TABLE}"
             " WHERE time >= toDateTime64({lo:Float64}, 3, 'UTC')"
@@ -237,10 +273,24 @@ class UsageStore:
             settings={"input_format_skip_unknown_fields": 1},
         )
 
+    def _call_any(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """A call whose every failure means "try again later" (a lookup, not data)."""
+        try:
+            return fn(*args, **kwargs)
+        except DatabaseError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except OperationalError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+        except DatabaseError as exc:
+            if error_code(exc) in DATA_ERRORS:
+                raise
+            # Too many parts, memory limits, timeouts, a replica in read-only
+            # mode...: the server's state, not the rows. Retried, never
+            # blamed on the data.
             raise StoreUnavailable(str(exc)) from exc
 
     # -- reads -------------------------------------------------------------
@@ -272,6 +322,6 @@ class UsageStore:
 def _clickhouse_message(exc: Exception) -> str:
     """ClickHouse's own message, without the client's wrapping or a stack trace."""
     text = str(exc).split("Stack trace")[0].strip()
-    code = re.search(r"Code: (\d+)\.", text)
+    code = error_code(exc)
     message = text.rsplit("DB::Exception: ", 1)[-1].split(" (version ")[0].strip()
-    return (f"ClickHouse error {code[1]}: {message}" if code else message)[:2000]
+    return (f"ClickHouse error {code}: {message}" if code is not None else message)[:2000]

@@ -170,6 +170,28 @@ async def test_rows_clickhouse_refuses_are_isolated_and_the_rest_stored(
     assert h.count("SELECT count() FROM usage_events") == 49
 
 
+async def test_a_server_side_error_is_retried_not_blamed_on_the_rows(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = harness
+    real_insert = h.store.insert
+    failures = {"left": 3}
+
+    def insert(rows: list[dict[str, Any]]) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise DatabaseError("Code: 241. DB::Exception: Memory limit exceeded (injected)")
+        real_insert(rows)
+
+    monkeypatch.setattr(h.store, "insert", insert)
+    for i in range(30):
+        await h.publish(usage(i), msg_id=f"z{i}")
+    await h.until(lambda: h.metrics.inserted._value.get() == 30)
+    assert h.metrics.dead_lettered._value.get() == 0
+    assert h.metrics.insert_failures._value.get() == 3
+    assert h.count("SELECT count() FROM usage_events") == 30
+
+
 async def test_an_unavailable_clickhouse_delays_rows_and_loses_none(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

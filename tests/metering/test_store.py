@@ -6,8 +6,10 @@ import csv
 import io
 import json
 import random
+import re
 from datetime import UTC, date, datetime
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -205,3 +207,18 @@ def test_usage_report_by_model_key_and_day(store: UsageStore) -> None:
     assert {o["model"]: o["completion_tokens"] for o in objects} == {
         m: v[2] for m, v in want.items()
     }
+
+
+def test_every_query_in_the_analytics_guide_runs(store: UsageStore) -> None:
+    guide = (Path(__file__).parents[2] / "docs" / "analytics.md").read_text()
+    queries = re.findall(r"```sql\n(.*?)```", guide, re.S)
+    assert len(queries) >= 6
+    # Recent rows (for queries relative to today) and rows in the month the
+    # invoice example names.
+    now = datetime.now(UTC).timestamp()
+    store.insert([event(i, time=now - i * 60.0) for i in range(100)])
+    store.insert([event(i, time=DAY + 13 * 86400 + i) for i in range(100, 200)])
+    for sql in queries:
+        result = store.query(sql.replace("'…'", "'req-1'"), {}, 100)
+        assert result.error is None, (sql, result.error)
+        assert result.rows, sql
