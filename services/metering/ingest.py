@@ -216,38 +216,44 @@ class UsageIngest:
         self.metrics.consumed.inc(len(msgs))
         rows = [p.row for p in batch if p.row is not None]
         if rows:
-            await self._with_retry(
-                lambda: self._store_rows(rows, batch), keep=[p.msg for p in batch]
-            )
+            keep = [p.msg for p in batch]
+            fresh = await self._with_retry(lambda: self._fresh_rows(rows), keep)
+            self.metrics.duplicates.inc(len(rows) - len(fresh))
+            started = time.perf_counter()
+            # A failed insert is retried with the very same blocks: one that
+            # did reach ClickHouse (a timeout after the commit, or a rollup
+            # write that failed after the raw one) is recognised by its
+            # deduplication token, in the raw table and in every rollup.
+            refused = await self._with_retry(lambda: self._insert_all(fresh), keep)
+            self.metrics.insert_seconds.observe(time.perf_counter() - started)
+            self.metrics.inserted.inc(len(fresh) - len(refused))
+            by_id = {id(p.row): p for p in batch if p.row is not None}
+            for row, reason in refused:
+                pending = by_id.get(id(row))
+                if pending is not None:
+                    await self._dead_letter(pending.msg, reason)
         for pending in batch:
             await self._ack(pending.msg)
         if rows:
             newest = max(r["time"] for r in rows)
             self.metrics.lag.observe(max(0.0, time.time() - newest))
 
-    async def _store_rows(self, rows: list[dict[str, Any]], batch: list[Pending]) -> None:
-        """Insert the rows not stored yet; isolate rows that ClickHouse refuses."""
+    async def _fresh_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The rows whose request ids are not stored yet (first of each id)."""
         unique: dict[str, dict[str, Any]] = {}
         for row in rows:
             unique.setdefault(row["request_id"], row)
         times = [r["time"] for r in unique.values()]
         stored = await self._write(self.store.existing_ids, list(unique), min(times), max(times))
-        fresh = [row for rid, row in unique.items() if rid not in stored]
-        self.metrics.duplicates.inc(len(rows) - len(fresh))
-        started = time.perf_counter()
-        refused = await self._insert_or_split(fresh)
-        if len(fresh) > 1 and len(refused) == len(fresh):
+        return [row for rid, row in unique.items() if rid not in stored]
+
+    async def _insert_all(self, rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
+        refused = await self._insert_or_split(rows)
+        if len(rows) > 1 and len(refused) == len(rows):
             # Every row refused, though each passed validation: the table
             # changed (schema drift), not the data. Retry; blame no row.
             raise StoreUnavailable(f"ClickHouse refused the whole batch: {refused[0][1]}")
-        self.metrics.insert_seconds.observe(time.perf_counter() - started)
-        self.metrics.inserted.inc(len(fresh) - len(refused))
-        if refused:
-            by_id = {id(p.row): p for p in batch if p.row is not None}
-            for row, reason in refused:
-                pending = by_id.get(id(row))
-                if pending is not None:
-                    await self._dead_letter(pending.msg, reason)
+        return refused
 
     async def _insert_or_split(
         self, rows: list[dict[str, Any]]
@@ -269,7 +275,7 @@ class UsageIngest:
             *await self._insert_or_split(rows[half:]),
         ]
 
-    async def _with_retry(self, attempt: Callable[[], Awaitable[None]], keep: list[Msg]) -> None:
+    async def _with_retry(self, attempt: Callable[[], Awaitable[T]], keep: list[Msg]) -> T:
         """Retry while ClickHouse is unreachable; the messages stay in progress meanwhile."""
         delay = 0.2
         touched = time.monotonic()
@@ -280,8 +286,7 @@ class UsageIngest:
                     with contextlib.suppress(Exception):
                         await msg.in_progress()
             try:
-                await attempt()
-                return
+                return await attempt()
             except StoreUnavailable as exc:
                 self.metrics.insert_failures.inc()
                 log.warning("ClickHouse unavailable, retrying: %s", str(exc)[:200])

@@ -265,12 +265,21 @@ class UsageStore:
         if not rows:
             return
         block = b"\n".join(orjson.dumps(row) for row in rows)
+        # The same rows always make the same token: a block inserted again
+        # (a retry after an unclear failure) is dropped by ClickHouse, in the
+        # raw table and in the rollups its materialized views feed.
+        ids = "\n".join(sorted(str(row["request_id"]) for row in rows))
+        token = hashlib.sha256(ids.encode()).hexdigest()
         self._call(
             self.writer.raw_insert,
             USAGE_TABLE,
             insert_block=block,
             fmt="JSONEachRow",
-            settings={"input_format_skip_unknown_fields": 1},
+            settings={
+                "input_format_skip_unknown_fields": 1,
+                "insert_deduplication_token": token,
+                "deduplicate_blocks_in_dependent_materialized_views": 1,
+            },
         )
 
     def _call_any(self, fn: Any, *args: Any, **kwargs: Any) -> Any:

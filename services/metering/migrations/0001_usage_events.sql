@@ -1,12 +1,13 @@
 -- Raw usage: one row per accepted request, as the router reported it.
 --
--- Duplicates are made harmless twice over. The metering service checks each
--- batch against the rows already stored (by request id, within the batch's
--- time range) and inserts only new ones, so the rollups that materialized
--- views build from every insert stay exact. ReplacingMergeTree keys rows on
--- (tenant, time, request_id), which a duplicate shares with its original, so
--- one that slipped past the check (for example a second writer) is merged
--- away; `SELECT ... FINAL` shows the deduplicated table at any time.
+-- Duplicates are made harmless at three levels. The metering service checks
+-- each batch against the rows already stored (by request id, within the
+-- batch's time range) and inserts only new ones, so the rollups that
+-- materialized views build from every insert stay exact; a retried insert
+-- carries the same deduplication token (migration 0004). ReplacingMergeTree
+-- keys rows on (tenant, time, request_id), which a duplicate shares with its
+-- original, so one written by anything else is merged away; `SELECT ...
+-- FINAL` shows the deduplicated table at any time.
 CREATE TABLE IF NOT EXISTS usage_events
 (
     request_id        String COMMENT 'Tollgate request id (x-request-id)',
