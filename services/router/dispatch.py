@@ -99,6 +99,9 @@ class Dispatcher:
                 await self.js.publish(subject, data, headers=headers, timeout=5)
         except BaseException:
             self._calls.pop(request.request_id, None)
+            # The publish may have reached the queue although its ack did not
+            # come back (a timeout): make sure no worker runs it for nobody.
+            await self.cancel(call, "not_dispatched")
             raise
         return call
 

@@ -46,6 +46,9 @@ from tollgate.subjects import Subjects
 
 log = logging.getLogger("tollgate.worker")
 
+# How many cancelled-before-start request ids a worker remembers.
+_CANCELLED_KEPT = 10_000
+
 
 class _Reply:
     """Publishes one request's chunks in order."""
@@ -86,6 +89,8 @@ class WorkerConsumer:
         # Requests still in the engine: only these may be cancelled, so a late
         # cancel cannot cut off the final chunk that carries the usage.
         self._generating: set[str] = set()
+        # Ids cancelled while not running here, newest last (bounded).
+        self._cancelled: dict[str, float] = {}
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -178,6 +183,12 @@ class WorkerConsumer:
         if task is not None and cancel.request_id in self._generating:
             log.info("cancel", extra={"request_id": cancel.request_id, "reason": cancel.reason})
             task.cancel()
+        elif task is None:
+            # Perhaps still in the queue (its client left while it waited):
+            # remember it, so that no worker runs it for nobody.
+            self._cancelled[cancel.request_id] = time.monotonic()
+            while len(self._cancelled) > _CANCELLED_KEPT:
+                del self._cancelled[next(iter(self._cancelled))]
 
     async def _on_drain(self, msg: Msg) -> None:
         log.info("drain requested over NATS")
@@ -262,6 +273,12 @@ class WorkerConsumer:
             await msg.term()
             return
         await msg.ack()
+        if self._cancelled.pop(request.request_id, None) is not None:
+            log.info("cancelled before start", extra={"request_id": request.request_id})
+            await _Reply(self.nc, request).send(
+                ChunkKind.END, outcome=Outcome.CANCELLED, usage=Usage()
+            )
+            return
         if time.time() > request.start_by:
             log.info("expired before start", extra={"request_id": request.request_id})
             await _Reply(self.nc, request).send(

@@ -181,3 +181,43 @@ async def test_sigterm_drains_in_flight_streams(
     assert lines[-1] == "data: [DONE]"
     assert sum('"content":' in ln for ln in lines) == 21  # role chunk + 20 tokens
     assert worker.proc.wait(30) == 0
+
+
+async def test_a_request_whose_client_left_in_the_queue_is_never_run(
+    router_url: str, stack: Stack, auth_headers: dict[str, str]
+) -> None:
+    body = {"model": SLOW_MODEL, "stream": True, "messages": MESSAGES, "max_tokens": 200}
+    async with HeartbeatWatch(stack.nats.url, Subjects()) as watch:
+        await watch.wait_for(lambda _: bool(watch.ready(SLOW_MODEL)))
+        slots = sum(b.slots_total for b in watch.ready(SLOW_MODEL))
+        async with httpx.AsyncClient(timeout=30, headers=auth_headers) as http:
+            busy = []
+            for _ in range(slots):  # every slot of the model taken
+                busy.append(
+                    await http.send(
+                        http.build_request("POST", f"{router_url}/v1/chat/completions", json=body),
+                        stream=True,
+                    )
+                )
+            await watch.wait_for(
+                lambda b: sum(x.slots_used for x in watch.ready(SLOW_MODEL)) == slots
+            )
+            async with http.stream("POST", f"{router_url}/v1/chat/completions", json=body) as r:
+                queued_id = r.headers["x-request-id"]
+                async for line in r.aiter_lines():
+                    if line.startswith(": waiting"):
+                        break  # still queued: hang up
+            # The router notices at its next keep-alive and cancels the request.
+            routers = [s for s in stack.services if s.name == "router"]
+            for _ in range(200):
+                text = "\n".join(r.log_text() for r in routers)
+                if any(queued_id in ln and "client_disconnected" in ln for ln in text.splitlines()):
+                    break
+                await asyncio.sleep(0.05)
+            for response in busy:  # free the slots: the worker fetches the queued one
+                await response.aclose()
+        await watch.wait_for(lambda b: sum(x.slots_used for x in watch.ready(SLOW_MODEL)) == 0)
+    logs = "\n".join(s.log_text() for s in stack.services if s.name == f"worker-{SLOW_MODEL}")
+    lines = [ln for ln in logs.splitlines() if queued_id in ln]
+    assert any("cancelled before start" in ln for ln in lines), lines
+    assert not any('"msg":"request done"' in ln for ln in lines), lines
