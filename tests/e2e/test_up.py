@@ -44,72 +44,85 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
     up = subprocess.Popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    assert up.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = up.stdout.readline()
-        lines.append(line)
-        if "is ready" in line or not line:
-            break
-    assert any(f"http://127.0.0.1:{port}/v1" in ln for ln in lines), lines
-    assert any(f"Model {SIM_MODEL} is ready" in ln for ln in lines), lines
-    key_line = lines[lines.index(next(ln for ln in lines if "Demo API key" in ln)) + 1]
-    demo_key = key_line.strip()
-    assert demo_key.startswith("tg-")
-    key_file = tmp_path / "var" / "auth" / "demo-key"
-    assert key_file.read_text().strip() == demo_key
-    assert key_file.stat().st_mode & 0o777 == 0o600
-    assert (tmp_path / "var" / "auth" / "admin-token").stat().st_mode & 0o777 == 0o600
+    try:
+        assert up.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            lines.append(line)
+            if "is ready" in line or not line:
+                break
+        assert any(f"http://127.0.0.1:{port}/v1" in ln for ln in lines), lines
+        assert any(f"Model {SIM_MODEL} is ready" in ln for ln in lines), lines
+        key_line = lines[lines.index(next(ln for ln in lines if "Demo API key" in ln)) + 1]
+        demo_key = key_line.strip()
+        assert demo_key.startswith("tg-")
+        key_file = tmp_path / "var" / "auth" / "demo-key"
+        assert key_file.read_text().strip() == demo_key
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        assert (tmp_path / "var" / "auth" / "admin-token").stat().st_mode & 0o777 == 0o600
 
-    unauthenticated = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
-    assert unauthenticated.status_code == 401
-    r = httpx.post(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        headers={"Authorization": f"Bearer {demo_key}"},
-        json={"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-        timeout=30,
-    )
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        unauthenticated = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+        assert unauthenticated.status_code == 401
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {demo_key}"},
+            json={
+                "model": SIM_MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+            },
+            timeout=30,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
-    # The usage row reaches the stack's ClickHouse; the CLI reads it back.
-    cli_env = {**env, "TOLLGATE_NATS_URL": f"nats://127.0.0.1:{nats_port}"}
-    request_id = r.headers["x-request-id"]
-    query = f"SELECT completion_tokens FROM usage_events WHERE request_id = '{request_id}'"
-    deadline = time.monotonic() + 60
-    while True:
-        sql = subprocess.run(
-            [sys.executable, "-m", "tollgate.cli", "sql", query, "--format", "csv"],
+        # The usage row reaches the stack's ClickHouse; the CLI reads it back.
+        cli_env = {**env, "TOLLGATE_NATS_URL": f"nats://127.0.0.1:{nats_port}"}
+        request_id = r.headers["x-request-id"]
+        query = f"SELECT completion_tokens FROM usage_events WHERE request_id = '{request_id}'"
+        deadline = time.monotonic() + 60
+        while True:
+            sql = subprocess.run(
+                [sys.executable, "-m", "tollgate.cli", "sql", query, "--format", "csv"],
+                env=cli_env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            if sql.stdout.splitlines()[1:] == ["3"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert sql.returncode == 0 and sql.stdout.splitlines() == ["completion_tokens", "3"], sql
+        report = subprocess.run(
+            [
+                sys.executable,
+                *("-m", "tollgate.cli", "usage", "report", "--tenant", "demo"),
+                "--format",
+                "json",
+            ],
             env=cli_env,
             capture_output=True,
             text=True,
             timeout=60,
         )
-        if sql.stdout.splitlines()[1:] == ["3"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert sql.returncode == 0 and sql.stdout.splitlines() == ["completion_tokens", "3"], sql
-    report = subprocess.run(
-        [
-            sys.executable,
-            *("-m", "tollgate.cli", "usage", "report", "--tenant", "demo"),
-            "--format",
-            "json",
-        ],
-        env=cli_env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert report.returncode == 0, report.stderr
-    rows = json.loads(report.stdout)
-    assert [(row["model"], row["requests"], row["completion_tokens"]) for row in rows] == [
-        (SIM_MODEL, 1, 3)
-    ]
+        assert report.returncode == 0, report.stderr
+        rows = json.loads(report.stdout)
+        assert [(row["model"], row["requests"], row["completion_tokens"]) for row in rows] == [
+            (SIM_MODEL, 1, 3)
+        ]
 
-    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
-    assert second.returncode == 1
-    assert "already running" in second.stderr and f":{port}/v1" in second.stderr
+        second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1
+        assert "already running" in second.stderr and f":{port}/v1" in second.stderr
+    except BaseException:
+        # A failed check must not leave the stack running.
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(90)
+        except subprocess.TimeoutExpired:
+            up.kill()
+        raise
 
     up.send_signal(signal.SIGINT)
     rest, _ = up.communicate(timeout=90)
