@@ -56,6 +56,7 @@ def create_app(
         store = await asyncio.to_thread(open_store, settings, common)
         applied = await asyncio.to_thread(store.migrate)
         prices = await asyncio.to_thread(store.sync_prices, catalog)
+        await asyncio.to_thread(store.repair_rollups, settings.rollup_check_days)
         log.info(
             "ClickHouse schema ready",
             extra={

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import re
 from dataclasses import dataclass
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -243,6 +243,45 @@ class UsageStore:
                 ],
             )
         return len(rows)
+
+    def repair_rollups(self, days: int) -> list[date]:
+        """Rebuild the rollups of any of the last ``days`` days that disagree with the raw rows.
+
+        Only a crash between an insert's raw write and its rollup writes can
+        cause a gap, so this runs at start, before any new insert.
+        """
+        since = {"since": (datetime.now(UTC) - timedelta(days=days)).date()}
+        bad: set[date] = set()
+        for table, day_expr in (("usage_daily", "day"), ("usage_hourly", "toDate(hour)")):
+            rows = self.writer.query(
+                "SELECT DISTINCT day FROM"
+                " (SELECT toDate(time) AS day, tenant, model, count() AS raw"
+                "  FROM usage_events FINAL WHERE toDate(time) >= {since:Date}"
+                "  GROUP BY day, tenant, model) AS r"
+                " FULL OUTER JOIN"
+                f" (SELECT {day_expr} AS day, tenant, model, sum(requests) AS rolled"
+                f"  FROM {table} WHERE {day_expr} >= {{since:Date}}"
+                "  GROUP BY day, tenant, model) AS d"
+                " USING (day, tenant, model)"
+                " WHERE raw != rolled",
+                parameters=since,
+            ).result_rows
+            bad.update(row[0] for row in rows)
+        for day in sorted(bad):
+            for table, day_expr in (("usage_hourly", "toDate(hour)"), ("usage_daily", "day")):
+                self.writer.command(
+                    f"ALTER TABLE {table} DELETE WHERE {day_expr} = {{day:Date}}",
+                    parameters={"day": day},
+                    settings={"mutations_sync": 2},
+                )
+                # insert_deduplicate off: a rebuilt block may equal an earlier one.
+                self.writer.command(
+                    f"INSERT INTO {table} SELECT * FROM {table}_rebuild(day = {{day:Date}})",
+                    parameters={"day": day},
+                    settings={"insert_deduplicate": 0},
+                )
+            log.warning("rollups rebuilt from the raw rows", extra={"day": day.isoformat()})
+        return sorted(bad)
 
     # -- writes ------------------------------------------------------------
 
