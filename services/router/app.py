@@ -13,6 +13,7 @@ from services.router.appkeys import (
     CATALOG,
     DISPATCHER,
     KEYS,
+    METRICS,
     SERVING,
     SETTINGS,
     STARTED_AT,
@@ -28,6 +29,7 @@ from services.router.errors import (
     error_response,
 )
 from services.router.limits import Limiter
+from services.router.metrics import RouterMetrics
 from services.router.serving import OpenAIServing
 from services.router.settings import RouterSettings
 from services.router.usage import Outbox, UsagePublisher
@@ -73,6 +75,8 @@ def create_app(
     app[SETTINGS] = settings
     app[CATALOG] = catalog
     app[STARTED_AT] = int(time.time())
+    metrics = RouterMetrics(tenant_label=settings.metrics_tenant_label)
+    app[METRICS] = metrics
 
     async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
         nc = await bus.connect(common.nats_url, name=f"router-{settings.router_id}")
@@ -80,6 +84,7 @@ def create_app(
         await workers.start(nc, common.subjects)
         dispatcher = Dispatcher(nc, common.subjects, settings.router_id)
         await dispatcher.start(catalog.models)
+        metrics.track(lambda: dispatcher.in_flight, lambda: dispatcher.queued)
         app[WORKERS] = workers
         app[DISPATCHER] = dispatcher
         js = nc.jetstream()
@@ -87,7 +92,7 @@ def create_app(
         usage = UsagePublisher(js, common.subjects, outbox)
         await usage.start()
         limiter = await Limiter.open(js)
-        serving = OpenAIServing(catalog, dispatcher, workers, settings, limiter, usage)
+        serving = OpenAIServing(catalog, dispatcher, workers, settings, limiter, usage, metrics)
         app[SERVING] = serving
         keys = KeyMirror(settings.hs256_secrets)
         app[KEYS] = keys
@@ -109,4 +114,5 @@ def create_app(
     app.router.add_get("/v1/models/{model:.+}", handlers.get_model)
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/readyz", handlers.readyz)
+    app.router.add_get("/metrics", handlers.metrics)
     return app

@@ -6,6 +6,7 @@ from aiohttp import web
 
 from services.router.auth import KeyMirror
 from services.router.dispatch import Dispatcher
+from services.router.metrics import RouterMetrics
 from services.router.serving import OpenAIServing
 from services.router.settings import RouterSettings
 from services.router.workers import WorkerView
@@ -18,3 +19,4 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 WORKERS = web.AppKey("workers", WorkerView)
 STARTED_AT = web.AppKey("started_at", int)
 KEYS = web.AppKey("keys", KeyMirror)
+METRICS = web.AppKey("metrics", RouterMetrics)

@@ -117,5 +117,13 @@ class Dispatcher:
         except Exception as exc:
             log.warning("cancel not sent: %s", type(exc).__name__)
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._calls)
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for call in self._calls.values() if call.worker_id is None)
+
     def finish(self, call: Call) -> None:
         self._calls.pop(call.request.request_id, None)

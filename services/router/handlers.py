@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
 import orjson
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.router.appkeys import CATALOG, DISPATCHER, KEYS, SERVING, SETTINGS, STARTED_AT
+from services.router.appkeys import (
+    CATALOG,
+    DISPATCHER,
+    KEYS,
+    METRICS,
+    SERVING,
+    SETTINGS,
+    STARTED_AT,
+)
 from services.router.auth import Principal
 from services.router.dispatch import Call
 from services.router.errors import (
@@ -27,6 +37,7 @@ from tollgate.contracts import ChunkKind, Endpoint, ResponseChunk
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
+_DONE_TEXT = "data: [DONE]"
 
 
 class ClientGone(Exception):
@@ -86,6 +97,8 @@ async def _relay(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             request.app[KEYS].authorize(principal, prepared.entry, prepared.body["model"])
         call = await serving.submit(prepared, request_id, principal)
     except TollgateError as exc:
+        if not isinstance(exc, ServiceUnavailable):  # an accepted request: counted when it ends
+            request.app[METRICS].rejected.labels(exc.code or exc.type).inc()
         return error_response(exc, request_id)
     if prepared.stream:
         return await _stream(request, serving, prepared, call)
@@ -131,6 +144,8 @@ async def _stream(
     request_id = call.request.request_id
     response: web.StreamResponse | None = None
     status, end = 200, None
+    inter_token = request.app[METRICS].inter_token.labels(prepared.entry.id)
+    last_output: float | None = None
 
     async def open_stream() -> web.StreamResponse:
         stream = web.StreamResponse(headers={**SSE_HEADERS, **_headers(call)})
@@ -166,6 +181,11 @@ async def _stream(
                 )
             if response is None:
                 response = await open_stream()
+            if item.kind is ChunkKind.DATA and not (item.data or "").startswith(_DONE_TEXT):
+                now = time.monotonic()
+                if last_output is not None:
+                    inter_token.observe(now - last_output)
+                last_output = now
             data = item.data or ""
             if item.kind is ChunkKind.ERROR:
                 # The engine failed mid-stream: end the stream as vLLM does.
@@ -219,6 +239,11 @@ async def get_model(request: web.Request) -> web.Response:
     if entry is None or not _visible(principal, entry):
         return error_response(ModelNotFound(name))
     return web.json_response(_model_card(entry, request.app[STARTED_AT]), dumps=_dumps)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -22,6 +22,7 @@ from services.router.errors import (
     WorkerLost,
 )
 from services.router.limits import Limiter
+from services.router.metrics import RouterMetrics
 from services.router.protocol import ChatCompletionBody, CompletionBody
 from services.router.settings import RouterSettings
 from services.router.usage import UsagePublisher
@@ -95,6 +96,7 @@ class OpenAIServing:
         settings: RouterSettings,
         limiter: Limiter | None = None,
         usage: UsagePublisher | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.catalog = catalog
         self.dispatcher = dispatcher
@@ -102,6 +104,7 @@ class OpenAIServing:
         self.settings = settings
         self.limiter = limiter
         self.usage = usage
+        self.metrics = metrics
         self._finishing: set[asyncio.Task[None]] = set()
 
     def parse(self, endpoint: Endpoint, raw: bytes) -> Prepared:
@@ -145,9 +148,9 @@ class OpenAIServing:
         except BaseException as exc:
             if reservation is not None and self.limiter is not None:
                 await self.limiter.settle(reservation, 0)
-            if isinstance(exc, ServiceUnavailable) and self.usage is not None:
+            if isinstance(exc, ServiceUnavailable):
                 # Accepted but never queued: a zero-token row, so analysts see it.
-                self.usage.emit(
+                self._record(
                     UsageEvent(
                         request_id=request_id,
                         time=time.time(),
@@ -322,9 +325,14 @@ class OpenAIServing:
             total_s=now - call.submitted_at,
             http_status=status,
         )
+        self._record(event)
+        log.info("request done", extra=event.model_dump(exclude={"type", "request_id", "time"}))
+
+    def _record(self, event: UsageEvent) -> None:
         if self.usage is not None:
             self.usage.emit(event)
-        log.info("request done", extra=event.model_dump(exclude={"type", "request_id", "time"}))
+        if self.metrics is not None:
+            self.metrics.ended(event)
 
     async def _late_end(self, call: Call) -> ResponseChunk | None:
         try:

@@ -41,6 +41,10 @@ class RouterSettings(BaseSettings):
     late_usage_wait_s: float = Field(
         default=2.0, ge=0, description="After a disconnect, wait this long for the usage report."
     )
+    metrics_tenant_label: bool = Field(
+        default=False,
+        description="Label token counters by tenant (only with a bounded number of tenants).",
+    )
     auth: bool = Field(
         default=True, description="Require a whitelisted API key on every call (off: open)."
     )

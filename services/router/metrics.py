@@ -1,0 +1,99 @@
+"""The router's Prometheus metrics (served on ``/metrics``).
+
+Counters and histograms are labelled by model (the catalog bounds it); the
+tenant label on token counters is only there when the operator turns it on
+(``TOLLGATE_ROUTER_METRICS_TENANT_LABEL``), since tenants are unbounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tollgate.contracts import UsageEvent
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_TOKEN_GAP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class RouterMetrics:
+    def __init__(self, tenant_label: bool = False, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.tenant_label = tenant_label
+        r = self.registry
+        self.requests = Counter(
+            "tollgate_router_requests",
+            "Accepted requests by model, HTTP status and outcome, counted when they end.",
+            ["model", "status", "outcome"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "tollgate_router_tokens",
+            "Tokens billed, by model and kind (prompt or completion).",
+            ["model", "kind", "tenant"] if tenant_label else ["model", "kind"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "tollgate_router_request_duration_seconds",
+            "From arrival to the end of the response.",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "tollgate_router_time_to_first_token_seconds",
+            "From arrival to the first output relayed.",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "tollgate_router_queue_wait_seconds",
+            "From arrival until a worker took the request.",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "tollgate_router_inter_token_latency_seconds",
+            "Gap between consecutive streamed output chunks.",
+            ["model"],
+            buckets=_TOKEN_GAP,
+            registry=r,
+        )
+        self.rejected = Counter(
+            "tollgate_router_rejected_requests",
+            "Requests refused before dispatch, by error code (invalid_api_key, "
+            "rate_limit_exceeded, insufficient_quota, model_not_found, ...).",
+            ["code"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "tollgate_router_requests_in_flight", "Requests dispatched and not ended.", registry=r
+        )
+        self.queued = Gauge(
+            "tollgate_router_requests_queued",
+            "Requests dispatched that no worker has taken yet.",
+            registry=r,
+        )
+
+    def track(self, in_flight: Callable[[], float], queued: Callable[[], float]) -> None:
+        self.in_flight.set_function(in_flight)
+        self.queued.set_function(queued)
+
+    def ended(self, event: UsageEvent) -> None:
+        """One accepted request is over: count it, its tokens and its timings."""
+        model = event.model
+        self.requests.labels(model, str(event.http_status), event.outcome).inc()
+        for kind, count in (
+            ("prompt", event.prompt_tokens),
+            ("completion", event.completion_tokens),
+        ):
+            labels = (model, kind, event.tenant) if self.tenant_label else (model, kind)
+            self.tokens.labels(*labels).inc(count)
+        self.duration.labels(model).observe(event.total_s)
+        if event.ttft_s is not None:
+            self.ttft.labels(model).observe(event.ttft_s)
+        if event.queue_s is not None:
+            self.queue_wait.labels(model).observe(event.queue_s)
