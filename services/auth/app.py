@@ -6,19 +6,22 @@ import asyncio
 import contextlib
 import hmac
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from services.auth.admin import KeyAdmin, NotFoundError
 from services.auth.ledger import BudgetLedger
+from services.auth.metrics import AuthMetrics
 from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
 from services.auth.settings import AuthSettings
 from tollgate import bus
-from tollgate.keys import KeyStore, SigningKeySet, auth_dir
+from tollgate.keys import KeyState, KeyStore, SigningKeySet, auth_dir
 from tollgate.settings import CommonSettings
 
 log = logging.getLogger("tollgate.auth")
@@ -26,6 +29,7 @@ log = logging.getLogger("tollgate.auth")
 ADMIN = web.AppKey("admin", KeyAdmin)
 LEDGER = web.AppKey("ledger", BudgetLedger)
 ADMIN_TOKEN = web.AppKey("admin_token", str)
+METRICS = web.AppKey("metrics", AuthMetrics)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -115,6 +119,17 @@ async def healthz(request: web.Request) -> web.Response:
     return _json({"status": "ok"})
 
 
+async def metrics(request: web.Request) -> web.Response:
+    app_metrics = request.app[METRICS]
+    admin = request.app.get(ADMIN)
+    if admin is not None:
+        counts = Counter(record.state.value for record in await admin.list())
+        for state in KeyState:
+            app_metrics.keys.labels(state.value).set(counts.get(state.value, 0))
+    body = generate_latest(app_metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 def create_app(settings: AuthSettings, common: CommonSettings) -> web.Application:
     folder = auth_dir(common.var_dir)
     token = (
@@ -124,6 +139,7 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
     )
     app = web.Application(middlewares=[guard])
     app[ADMIN_TOKEN] = token
+    app[METRICS] = AuthMetrics()
 
     async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
         nc = await bus.connect(common.nats_url, name="auth")
@@ -134,7 +150,11 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
             await store.publish_signing_key(signing.generate(settings.algorithm), "rotate")
         app[ADMIN] = KeyAdmin(store, signing)
         ledger = BudgetLedger(
-            js, KeyStore(js, actor="budget-ledger"), common.subjects, settings.reactivate_every_s
+            js,
+            KeyStore(js, actor="budget-ledger"),
+            common.subjects,
+            settings.reactivate_every_s,
+            app[METRICS],
         )
         await ledger.open()
         ledger.store = await ledger.store.open()
@@ -158,4 +178,5 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
     app.router.add_post("/admin/signing-keys/rotate", rotate_signing_key)
     app.router.add_post("/admin/signing-keys/{kid}/retire", retire_signing_key)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
     return app

@@ -23,6 +23,7 @@ import orjson
 from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, StorageType
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
+from services.auth.metrics import AuthMetrics
 from tollgate import codec
 from tollgate.bus import ensure_usage_stream
 from tollgate.contracts import UsageEvent
@@ -35,7 +36,15 @@ SPEND_BUCKET = "tg_spend"
 
 
 class BudgetLedger:
-    def __init__(self, js: Any, store: KeyStore, subjects: Subjects, reactivate_every_s: float):
+    def __init__(
+        self,
+        js: Any,
+        store: KeyStore,
+        subjects: Subjects,
+        reactivate_every_s: float,
+        metrics: AuthMetrics | None = None,
+    ):
+        self.metrics = metrics
         self.js = js
         self.store = store
         self.subjects = subjects
@@ -91,6 +100,8 @@ class BudgetLedger:
                     continue
                 await self.count(event, msg.metadata.sequence.stream)
                 await msg.ack()
+                if self.metrics is not None:
+                    self.metrics.events.inc()
         # A pull subscription left mid-fetch would hold up the connection's drain.
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
@@ -138,6 +149,8 @@ class BudgetLedger:
         record.state = state
         record.updated_at = time.time()
         await self.store.put(record, action)
+        if self.metrics is not None:
+            self.metrics.state_changes.labels(state.value).inc()
         log.info("key state changed", extra={"key_id": record.key_id, "state": state.value})
 
     async def reconcile(self) -> None:

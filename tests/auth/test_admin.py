@@ -8,6 +8,7 @@ import time
 import httpx
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import SIM_MODEL, SLOW_MODEL, Stack
 from tests.router.test_auth import wait_status
@@ -172,3 +173,24 @@ async def test_ledger_counts_usage_once_and_marks_the_key_over_budget(
         await asyncio.sleep(0.1)
     assert admin.get(f"/admin/keys/{key_id}").json()["state"] == "active"
     assert await spend_of(stack, key) >= billed
+
+
+def test_metrics_count_keys_by_state(admin: httpx.Client) -> None:
+    def keys_by_state() -> dict[str, float]:
+        text = admin.get("/metrics").text
+        return {
+            s.labels["state"]: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "tollgate_auth_keys"
+        }
+
+    before = keys_by_state()
+    made = [admin.post("/admin/keys", json={"tenant": "metrics"}).json() for _ in range(3)]
+    admin.delete(f"/admin/keys/{made[0]['record']['key_id']}")
+    after = keys_by_state()
+    assert after["active"] - before["active"] == 2
+    assert after["revoked"] - before["revoked"] == 1
+    assert set(after) == {"active", "over_budget", "revoked"}
+    # Scraped without the admin credential, as Prometheus does.
+    assert httpx.get(f"{str(admin.base_url).rstrip('/')}/metrics", timeout=5).status_code == 200
