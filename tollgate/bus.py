@@ -67,6 +67,14 @@ async def close(nc: NATS) -> None:
             log.warning("nats close failed: %s", type(close_exc).__name__)
 
 
+async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """Create a stream, or update it to ``config`` when it exists."""
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        await js.update_stream(config)
+
+
 async def ensure_infer_stream(
     js: JetStreamContext, subjects: Subjects, model_id: str, max_age_s: float = 600.0
 ) -> None:
@@ -84,10 +92,7 @@ async def ensure_infer_stream(
         max_age=max_age_s,
         duplicate_window=min(120.0, max_age_s),
     )
-    try:
-        await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
+    await ensure_stream(js, config)
 
 
 async def ensure_usage_stream(js: JetStreamContext, subjects: Subjects) -> None:
@@ -98,10 +103,7 @@ async def ensure_usage_stream(js: JetStreamContext, subjects: Subjects) -> None:
         storage=StorageType.FILE,
         duplicate_window=600.0,
     )
-    try:
-        await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
+    await ensure_stream(js, config)
 
 
 class BatchPull:

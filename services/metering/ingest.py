@@ -32,13 +32,13 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NoStreamResponseError
+from nats.js.errors import NoStreamResponseError
 from pydantic import ValidationError
 
 from services.metering.metrics import MeteringMetrics
 from services.metering.settings import MeteringSettings
 from services.metering.store import DATA_ERRORS, StoreUnavailable, UsageStore, error_code
-from tollgate.bus import BatchPull, ensure_usage_stream
+from tollgate.bus import BatchPull, ensure_stream, ensure_usage_stream
 from tollgate.contracts import UsageEvent
 from tollgate.subjects import Subjects
 
@@ -102,10 +102,7 @@ async def ensure_dead_letter_stream(js: JetStreamContext, subjects: Subjects) ->
         storage=StorageType.FILE,
         duplicate_window=600.0,
     )
-    try:
-        await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
+    await ensure_stream(js, config)
 
 
 class UsageIngest:
