@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
@@ -34,6 +35,9 @@ from services.router.errors import (
 from services.router.serving import KEEPALIVE, OpenAIServing, Prepared
 from tollgate.catalog import ModelEntry
 from tollgate.contracts import ChunkKind, Endpoint, ResponseChunk
+from tollgate.logs import request_id_var
+
+log = logging.getLogger("tollgate.router")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
@@ -64,6 +68,11 @@ def _headers(call: Call) -> dict[str, str]:
     return headers
 
 
+def _gone(request_id: str) -> web.Response:
+    """The reply to a client that hung up: nobody reads it (499, as nginx logs it)."""
+    return web.Response(status=499, headers={"x-request-id": request_id})
+
+
 def _closing(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()
 
@@ -90,6 +99,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _relay(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     serving = request.app[SERVING]
     request_id = uuid.uuid4().hex
+    request_id_var.set(request_id)  # every log line about this call carries it
     try:
         principal = _principal(request)
         prepared = serving.parse(endpoint, await _read_body(request))
@@ -99,6 +109,7 @@ async def _relay(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     except TollgateError as exc:
         if not isinstance(exc, ServiceUnavailable):  # an accepted request: counted when it ends
             request.app[METRICS].rejected.labels(exc.code or exc.type).inc()
+        log.info("request refused", extra={"status": exc.status, "code": exc.code or exc.type})
         return error_response(exc, request_id)
     if prepared.stream:
         return await _stream(request, serving, prepared, call)
@@ -125,10 +136,12 @@ async def _full(
         await serving.cancel(call, exc.code or "error")
         serving.finish_later(call, prepared, None, exc.status, exc.code)
         return error_response(exc, request_id)
-    except (ClientGone, asyncio.CancelledError):
+    except (ClientGone, asyncio.CancelledError) as exc:
         await serving.cancel(call, "client_disconnected")
         serving.finish_later(call, prepared, None, 499, "client_disconnected")
-        raise
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        return _gone(request_id)
     serving.finish_later(call, prepared, end, status)
     return web.Response(
         status=status,
@@ -201,12 +214,12 @@ async def _stream(
         except ConnectionResetError:
             pass
         return response
-    except (ClientGone, ConnectionResetError, asyncio.CancelledError):
+    except (ClientGone, ConnectionResetError, asyncio.CancelledError) as exc:
         await serving.cancel(call, "client_disconnected")
         serving.finish_later(call, prepared, None, 499, "client_disconnected")
-        if response is None:
+        if isinstance(exc, asyncio.CancelledError):
             raise
-        return response
+        return response if response is not None else _gone(request_id)
     serving.finish_later(call, prepared, end, status)
     assert response is not None
     await response.write_eof()

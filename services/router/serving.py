@@ -326,7 +326,10 @@ class OpenAIServing:
             http_status=status,
         )
         self._record(event)
-        log.info("request done", extra=event.model_dump(exclude={"type", "request_id", "time"}))
+        log.info(
+            "request done",
+            extra={"request_id": request.request_id, **event.model_dump(exclude={"type", "time"})},
+        )
 
     def _record(self, event: UsageEvent) -> None:
         if self.usage is not None:

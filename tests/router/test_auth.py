@@ -123,6 +123,7 @@ async def test_revoked_key(router_url: str, stack: Stack) -> None:
     assert_401(post(router_url, token))
 
 
+@pytest.mark.usefixtures("sim_workers")
 async def test_azure_style_api_key_header(router_url: str, api_key: str) -> None:
     r = post(router_url, api_key, header="api-key")
     assert r.status_code == 200, r.text
