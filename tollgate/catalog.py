@@ -37,6 +37,52 @@ class Price(BaseModel):
     currency: str = Field(default="USD", min_length=3, max_length=3)
 
 
+class ScalingPolicy(BaseModel):
+    """How the scaler sizes one model's workers (see docs/scaling.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(default=0, ge=0, description="Never fewer workers than this.")
+    max_replicas: int = Field(default=2, ge=1, description="Never more workers than this.")
+    target_utilization: float = Field(
+        default=0.75,
+        gt=0,
+        le=1,
+        description="Aim for this share of each worker's slots busy (requests running + queued).",
+    )
+    target_tokens_per_s: float | None = Field(
+        default=None, gt=0, description="Also size by tokens/s: this many per worker."
+    )
+    scale_up_window_s: float = Field(
+        default=0.0, ge=0, description="Scale up to the lowest need seen over this window."
+    )
+    scale_down_window_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="Scale down only to the highest need seen over this window.",
+    )
+    scale_down_cooldown_s: float = Field(
+        default=60.0, ge=0, description="At least this long between a change and a scale-down."
+    )
+    scale_to_zero_after_s: float | None = Field(
+        default=600.0, gt=0, description="Stop the last worker after this long idle (None: never)."
+    )
+    time_to_ready_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Expected worker start-up time until one has been measured.",
+    )
+    predictive: bool = Field(
+        default=True, description="Pre-warm ahead of the hour-of-week demand in the usage history."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ScalingPolicy:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+
 class ModelEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -48,6 +94,7 @@ class ModelEntry(BaseModel):
     engine_args: list[str] = Field(default_factory=list)
     simulated: SimulatedEngineConfig | None = None
     prices: list[Price] = Field(default_factory=list, description="Billing prices over time.")
+    scaling: ScalingPolicy = Field(default_factory=ScalingPolicy, description="Autoscaling.")
 
     @model_validator(mode="after")
     def _simulated_defaults(self) -> ModelEntry:

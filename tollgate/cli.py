@@ -8,6 +8,7 @@ import getpass
 import logging
 import runpy
 import sys
+import time
 from datetime import date, timedelta
 from typing import Any
 
@@ -40,6 +41,7 @@ def _up(ns: argparse.Namespace) -> int:
         nats_port=ns.nats_port,
         auth_port=ns.auth_port,
         metering_port=ns.metering_port,
+        scaler_port=ns.scaler_port,
         models=models,
     )
     try:
@@ -197,6 +199,48 @@ def _sql(ns: argparse.Namespace) -> int:
     return asyncio.run(_query_async(ns, ns.statement, {}))
 
 
+async def _scaler_status_async(as_json: bool) -> int:
+    import orjson
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeoutError
+
+    from tollgate import bus
+
+    common = CommonSettings()
+    nc = await bus.connect(common.nats_url, name="tollgate-cli")
+    try:
+        reply = await nc.request(common.subjects.scaler_status, b"{}", timeout=5)
+    except (NoRespondersError, TimeoutError, NatsTimeoutError):
+        print("error: no scaler answered (start it with `tollgate up`)", file=sys.stderr)
+        return 1
+    finally:
+        await bus.close(nc)
+    status = orjson.loads(reply.data)
+    if as_json:
+        print(orjson.dumps(status, option=orjson.OPT_INDENT_2).decode())
+        return 0
+    print(f"backend: {status['backend']}")
+    print(f"{'model':<32} desired ready starting draining queued running  min..max")
+    for model, m in status["models"].items():
+        print(
+            f"{model:<32} {m['desired']:>7} {m['ready']:>5} {m['starting']:>8} "
+            f"{m['draining']:>8} {m['queued']:>6} {m['running']:>7}  "
+            f"{m['min_replicas']}..{m['max_replicas']}"
+        )
+    for model, m in status["models"].items():
+        for d in m["decisions"][-5:]:
+            when = time.strftime("%H:%M:%S", time.gmtime(d["time"]))
+            print(f"  {when} {model}: {d['previous']} -> {d['desired']} ({d['reason']})")
+    return 0
+
+
+def _scaler_status(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tollgate scaler status")
+    parser.add_argument("--json", action="store_true")
+    ns = parser.parse_args(argv)
+    return asyncio.run(_scaler_status_async(ns.json))
+
+
 def _day(text: str) -> date:
     try:
         return date.fromisoformat(text)
@@ -206,17 +250,22 @@ def _day(text: str) -> date:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("router", "worker", "auth", "metering"):
+    if argv[:2] == ["scaler", "status"]:
+        return _scaler_status(argv[2:])
+    if argv and argv[0] in ("router", "worker", "auth", "metering", "scaler"):
         return _run_service(f"services.{argv[0]}", argv[1:])
     parser = argparse.ArgumentParser(prog="tollgate", description="Tollgate LLM gateway")
     sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start NATS, the router and a worker on this machine")
+    up = sub.add_parser("up", help="start the whole stack on this machine")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8080)
     up.add_argument("--nats-port", type=int, default=4222)
     up.add_argument("--auth-port", type=int, default=8081)
     up.add_argument("--metering-port", type=int, default=8082)
-    up.add_argument("--model", action="append", help="model to start a worker for (repeatable)")
+    up.add_argument("--scaler-port", type=int, default=8083)
+    up.add_argument(
+        "--model", action="append", help="model to keep warm, at one worker or more (repeatable)"
+    )
     up.set_defaults(func=_up)
     models = sub.add_parser("models", help="the model catalog")
     models.add_argument("action", choices=["list", "prepare"])
@@ -255,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     report.set_defaults(func=_usage)
     sql.set_defaults(func=_sql)
     sub.add_parser("metering", help="run the metering service; `metering migrate`: the schema")
+    sub.add_parser(
+        "scaler",
+        help="run the scaler; `scaler status`: replicas and decisions; `scaler simulate`",
+    )
     sub.add_parser("router", help="run the router (python -m services.router)")
     sub.add_parser("auth", help="run the auth service (python -m services.auth)")
     sub.add_parser("worker", help="run a worker (python -m services.worker --model ID)")

@@ -121,6 +121,9 @@ class WorkerHeartbeat(_Contract):
     kv_cache_usage: float | None = Field(default=None, description="KV cache use, 0..1.")
     interval_s: float = Field(description="Seconds until the next heartbeat.")
     sent_at: float = Field(description="Unix time it was sent.")
+    startup_s: float | None = Field(
+        default=None, description="Once ready: seconds from the process start to ready."
+    )
 
 
 class UsageEvent(_Contract):

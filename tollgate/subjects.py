@@ -118,3 +118,20 @@ class Subjects:
     def drain(self, worker_id: str) -> str:
         """Control subject that tells one worker to drain and exit."""
         return f"{self.prefix}.control.drain.{worker_id}"
+
+    def scale(self, model_id: str) -> str:
+        """The scaler's decisions for one model (JetStream, for audit and dashboards)."""
+        return f"{self.prefix}.scale.{model_token(model_id)}"
+
+    @property
+    def scale_all(self) -> str:
+        return f"{self.prefix}.scale.*"
+
+    @property
+    def scale_stream(self) -> str:
+        return f"{self.prefix.upper()}_SCALE"
+
+    @property
+    def scaler_status(self) -> str:
+        """Request/reply: the scaler's view of every model it manages."""
+        return f"{self.prefix}.scaler.status"

@@ -1,8 +1,10 @@
 """``tollgate up``: the whole stack on one machine, as supervised child processes.
 
-It starts ``nats-server`` (JetStream, data under ``var/``), the router and a
-worker for the default model; restarts a child that crashes; and on Ctrl-C
-stops them in order (router, workers, NATS), each draining first.
+It starts ``nats-server`` (JetStream, data under ``var/``), the router, auth,
+metering and the scaler, which starts and stops the workers (the models named
+on the command line are kept warm, the others start on their first request);
+restarts a child that crashes; and on Ctrl-C stops them in order (router,
+scaler and its workers, the event consumers, NATS), each draining first.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class Stack:
         nats_port: int,
         auth_port: int,
         metering_port: int = 8082,
+        scaler_port: int = 8083,
         models: list[str],
     ) -> None:
         self.common = common
@@ -105,6 +108,7 @@ class Stack:
         self.nats_port = nats_port
         self.auth_port = auth_port
         self.metering_port = metering_port
+        self.scaler_port = scaler_port
         self.models = models
         self.var = common.var_dir.resolve()
         self.base_url = f"http://{host}:{port}/v1"
@@ -150,6 +154,9 @@ class Stack:
                 "TOLLGATE_ROUTER_PORT": str(self.port),
                 "TOLLGATE_AUTH_PORT": str(self.auth_port),
                 "TOLLGATE_METERING_PORT": str(self.metering_port),
+                "TOLLGATE_SCALER_PORT": str(self.scaler_port),
+                "TOLLGATE_SCALER_BACKEND": "local",
+                "TOLLGATE_SCALER_WARM": json.dumps(self.models),
             }
         )
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -179,16 +186,9 @@ class Stack:
             Child(
                 "metering", [sys.executable, "-m", "services.metering"], env, logs / "metering.log"
             ),
+            # The scaler starts the workers (their logs: logs/worker-*.log).
+            Child("scaler", [sys.executable, "-m", "services.scaler"], env, logs / "scaler.log"),
         ]
-        for model in self.models:
-            self.children.append(
-                Child(
-                    f"worker {model}",
-                    [sys.executable, "-m", "services.worker", "--model", model],
-                    env,
-                    logs / f"worker-{len(self.children) - 3}.log",
-                )
-            )
 
     async def run(self, out: IO[str]) -> int:
         ports = (
@@ -196,6 +196,7 @@ class Stack:
             ("NATS", "127.0.0.1", self.nats_port, "--nats-port"),
             ("auth admin API", "127.0.0.1", self.auth_port, "--auth-port"),
             ("metering service", "127.0.0.1", self.metering_port, "--metering-port"),
+            ("scaler", "127.0.0.1", self.scaler_port, "--scaler-port"),
         )
         for what, host, port, flag in ports:
             if not port_free(host, port):
@@ -212,8 +213,8 @@ class Stack:
         for child in services:
             await child.start()
         print(
-            f"Logs in {self.var / 'logs'}; starting the router and "
-            f"{len(self.models)} worker(s)...\n"
+            f"Logs in {self.var / 'logs'}; starting the router, the scaler and "
+            f"{len(self.models)} warm worker(s)...\n"
             f"Demo API key (also in {self.var / 'auth' / 'demo-key'}):\n  {demo_key}",
             file=out,
             flush=True,
@@ -233,9 +234,10 @@ class Stack:
             # (drain), then the services that consume events, NATS last.
             nats, router, *rest = self.children
             consumers = [c for c in rest if c.name in ("auth", "metering")]
-            workers = [c for c in rest if c not in consumers]
-            for child in [router, *workers, *consumers, nats]:
-                await child.stop(timeout=30)
+            scaler = [c for c in rest if c not in consumers]
+            for child in [router, *scaler, *consumers, nats]:
+                # the scaler drains its workers before it exits
+                await child.stop(timeout=180 if child in scaler else 30)
             print("Stopped.", file=out, flush=True)
         return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 
@@ -29,6 +30,18 @@ def create_engine(entry: ModelEntry, common: CommonSettings) -> Engine:
     return VllmEngine(entry, model_path)
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux), to report the whole time-to-ready."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            # field 22 (after the parenthesised command name) is the start time in ticks
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            since_boot = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, since_boot - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     """Serve one model until SIGTERM/SIGINT or a drain request, then drain."""
     entry = load_catalog(common.catalog).get(settings.model)
@@ -38,6 +51,8 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     started = time.monotonic()
+    age = process_age_s()
+    born = started - (age if age is not None else 0.0)
     engine = create_engine(entry, common)
     consumer = WorkerConsumer(nc, engine, settings, common.subjects, entry.id)
     await consumer.announce()
@@ -51,6 +66,7 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
                 "seconds": round(time.monotonic() - started, 2),
             },
         )
+        consumer.startup_s = round(time.monotonic() - born, 3)
         await consumer.start()
         stopped = asyncio.create_task(consumer.stopped.wait())
         signalled = asyncio.create_task(stop.wait())

@@ -85,6 +85,7 @@ class WorkerConsumer:
         self.subjects = subjects
         self.model_id = model_id
         self.state = WorkerState.STARTING
+        self.startup_s: float | None = None  # process start to ready, set once ready
         self.inflight: dict[str, asyncio.Task[None]] = {}
         # Requests still in the engine: only these may be cancelled, so a late
         # cancel cannot cut off the final chunk that carries the usage.
@@ -162,6 +163,7 @@ class WorkerConsumer:
             kv_cache_usage=stats.kv_cache_usage,
             interval_s=self.settings.heartbeat_interval_s,
             sent_at=time.time(),
+            startup_s=self.startup_s,
         )
         with contextlib.suppress(Exception):  # a beat lost to a reconnect is not fatal
             await self.nc.publish(self.subjects.heartbeat(self.model_id), codec.encode(beat))

@@ -18,7 +18,7 @@ from tests.conftest import SIM_MODEL, free_port
 def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
     var_dir: Path, prepared_model: Path, tmp_path: Path
 ) -> None:
-    port, nats_port, auth_port, metering_port = (free_port() for _ in range(4))
+    port, nats_port, auth_port, metering_port, scaler_port = (free_port() for _ in range(5))
     env = {
         **os.environ,
         "TOLLGATE_CATALOG": str(var_dir / "models.toml"),
@@ -38,6 +38,8 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
         str(auth_port),
         "--metering-port",
         str(metering_port),
+        "--scaler-port",
+        str(scaler_port),
         "--model",
         SIM_MODEL,
     ]
@@ -112,6 +114,20 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
             (SIM_MODEL, 1, 3)
         ]
 
+        # The scaler runs the workers: the warm model has one, the others none yet.
+        status = subprocess.run(
+            [sys.executable, "-m", "tollgate.cli", "scaler", "status", "--json"],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        models = json.loads(status.stdout)["models"]
+        assert models[SIM_MODEL]["desired"] == 1 and models[SIM_MODEL]["ready"] == 1
+        assert models[SIM_MODEL]["min_replicas"] == 1
+        assert all(m["desired"] == 0 for mid, m in models.items() if mid != SIM_MODEL)
+
         second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
         assert second.returncode == 1
         assert "already running" in second.stderr and f":{port}/v1" in second.stderr
@@ -128,8 +144,11 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
     rest, _ = up.communicate(timeout=90)
     assert up.returncode == 0, rest
     assert "Stopped." in rest
+    # the scaler drained its worker on the way out
+    worker_logs = list((tmp_path / "var" / "logs").glob("worker-*.log"))
+    assert worker_logs and all("worker stopped" in p.read_text() for p in worker_logs)
     # every child is gone: the ports are free again
-    for p in (port, nats_port, auth_port, metering_port):
+    for p in (port, nats_port, auth_port, metering_port, scaler_port):
         try:
             httpx.get(f"http://127.0.0.1:{p}/", timeout=1)
             raise AssertionError(f"port {p} still answers")

@@ -1,0 +1,119 @@
+"""The scaler's live view of each model, built from events on the bus.
+
+- worker heartbeats (``tg.workers.*``): who serves what, in which state, with
+  how many busy slots; a worker that misses three beats is gone;
+- arrivals (``tg.infer.*``): every request as it enters a model's work queue,
+  so a model at zero wakes the scaler at once;
+- usage events (``tg.usage.*``): tokens per second per model;
+- the work-queue stream's message count: requests waiting for a worker
+  (asked of JetStream each tick).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
+
+from tollgate import codec
+from tollgate.contracts import UsageEvent, WorkerHeartbeat, WorkerState
+from tollgate.subjects import Subjects, model_id_from_token
+
+_MISSED_BEATS = 3
+_TOKENS_WINDOW_S = 60.0
+
+
+@dataclass
+class WorkerView:
+    beat: WorkerHeartbeat
+    seen_at: float  # monotonic
+
+    def alive(self, now: float) -> bool:
+        return now - self.seen_at <= _MISSED_BEATS * self.beat.interval_s
+
+
+@dataclass
+class ModelView:
+    workers: dict[str, WorkerView] = field(default_factory=dict)
+    slots_per_worker: int | None = None
+    startup_s: float | None = None  # latest measured time-to-ready
+    arrivals: int = 0
+    last_arrival_at: float | None = None
+    tokens: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def live(self, now: float) -> list[WorkerHeartbeat]:
+        gone = [wid for wid, w in self.workers.items() if not w.alive(now)]
+        for wid in gone:
+            del self.workers[wid]
+        return [w.beat for w in self.workers.values()]
+
+    def tokens_per_s(self, now: float) -> float:
+        while self.tokens and self.tokens[0][0] < now - _TOKENS_WINDOW_S:
+            self.tokens.popleft()
+        return sum(n for _, n in self.tokens) / _TOKENS_WINDOW_S
+
+
+class BusSignals:
+    """Subscriptions that keep :class:`ModelView` per model up to date."""
+
+    def __init__(self, nc: NATS, subjects: Subjects) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.subjects = subjects
+        self.models: dict[str, ModelView] = {}
+        self.arrived = asyncio.Event()  # set on every arrival: a tick may be due now
+
+    def view(self, model: str) -> ModelView:
+        return self.models.setdefault(model, ModelView())
+
+    async def start(self) -> None:
+        await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_beat)
+        await self.nc.subscribe(f"{self.subjects.prefix}.infer.*", cb=self._on_arrival)
+        await self.nc.subscribe(self.subjects.usage_all, cb=self._on_usage)
+
+    async def _on_beat(self, msg: Msg) -> None:
+        try:
+            beat = codec.decode(WorkerHeartbeat, msg.data)
+        except Exception:
+            return
+        view = self.view(beat.model)
+        if beat.state is WorkerState.STOPPED:
+            view.workers.pop(beat.worker_id, None)
+            return
+        view.workers[beat.worker_id] = WorkerView(beat, time.monotonic())
+        if beat.slots_total > 0:
+            view.slots_per_worker = beat.slots_total
+        if beat.startup_s is not None:
+            view.startup_s = beat.startup_s
+
+    async def _on_arrival(self, msg: Msg) -> None:
+        token = msg.subject.rsplit(".", 1)[-1]
+        try:
+            model = model_id_from_token(token)
+        except (ValueError, UnicodeDecodeError):
+            return
+        view = self.view(model)
+        view.arrivals += 1
+        view.last_arrival_at = time.monotonic()
+        self.arrived.set()
+
+    async def _on_usage(self, msg: Msg) -> None:
+        try:
+            event = codec.decode(UsageEvent, msg.data)
+        except Exception:
+            return
+        tokens = event.prompt_tokens + event.completion_tokens
+        self.view(event.model).tokens.append((time.monotonic(), tokens))
+
+    async def queued(self, model: str) -> int:
+        """Requests in the model's work queue that no worker has taken yet."""
+        try:
+            info = await self.js.stream_info(self.subjects.infer_stream(model))
+        except NotFoundError:
+            return 0
+        return int(info.state.messages)
