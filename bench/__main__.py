@@ -7,6 +7,8 @@
    behind a bare HTTP server: added latency and sustainable request rate.
 3. Metering: usage events into ClickHouse (rate vs inserting directly, lag
    at 1,000 events/s) and router latency with the metering service on vs off.
+4. Scaler: fixed-max vs reactive vs predictive over a simulated day, and the
+   cold start of a model at zero workers vs its worker's own time-to-ready.
 
 Results go to docs/benchmarks.md (and bench/results/latest.json).
 """
@@ -283,7 +285,7 @@ def revocation_times(nats: str, work: Path, routers: list[str], quick: bool) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer requests per point")
-    parser.add_argument("--only", choices=["inference", "gateway", "metering"])
+    parser.add_argument("--only", choices=["inference", "gateway", "metering", "scaler"])
     ns = parser.parse_args()
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -308,6 +310,14 @@ def main() -> None:
             results["metering"] = {
                 "ingest": bench_ingest(work, env, ns.quick),
                 "router": bench_router_overhead(work, env, ns.quick, sim_body()),
+                "date": results["date"],
+            }
+        if ns.only in (None, "scaler"):
+            from bench.scaler import bench_cold_start, bench_simulation
+
+            results["scaler"] = {
+                "simulation": bench_simulation(),
+                "cold_start": bench_cold_start(work, env, ns.quick),
                 "date": results["date"],
             }
         if ns.only in (None, "inference"):

@@ -186,12 +186,68 @@ def _metering(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _scaler(r: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Scaler: strategies over a simulated day, and cold start from zero",
+        "",
+        f"Measured {r.get('date', '')}.",
+        "",
+        "`tollgate scaler simulate` replays the shipped synthetic day "
+        "(`services/scaler/traces/synthetic-day.csv`: 0.5 requests/s at night, a morning "
+        "ramp to 12/s, a lunch step to 30/s within two minutes, 14/s in the afternoon) with "
+        "Poisson arrivals, 8 s mean request time, 32 slots per worker, at most 12 workers, "
+        "one decision every 5 s, and the scaler's own policy (target 75% of slots busy, "
+        "300 s down-window). The predictive strategy's profile comes from another simulated "
+        "day of the same trace, computed as the scaler computes it from ClickHouse. "
+        "Replica-hours count a worker from its start until it has drained.",
+        "",
+    ]
+    for key, outcomes in r["simulation"].items():
+        startup = key.split("_")[1]
+        fixed = outcomes[0]
+        lines += [
+            f"Worker start-up {startup} s:",
+            "",
+            "| strategy | replica-hours | vs fixed-max | wait p50 (s) | wait p95 (s) | "
+            "wait p99 (s) | max wait (s) | waited > 10 s | scale events |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for o in outcomes:
+            share = o["replica_hours"] / fixed["replica_hours"]
+            lines.append(
+                f"| {o['strategy']} | {o['replica_hours']} | {share:.0%} | {o['wait_p50']} | "
+                f"{o['wait_p95']} | {o['wait_p99']} | {o['wait_max']} | "
+                f"{o['waited_over']:,} of {o['requests']:,} | {o['scale_events']} |"
+            )
+        lines.append("")
+    lines += [
+        "Cold start on this machine: a model at zero workers gets one streamed request; "
+        "time from sending it to its first token, divided by the worker's own "
+        "time-to-ready (process start to ready, from its heartbeat). The rest is what "
+        "scaling adds: noticing the request, starting the process, pulling the request "
+        "and generating the first token.",
+        "",
+        "| engine | run | first token (s) | worker time-to-ready (s) | ratio | added (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for engine, rows in r["cold_start"].items():
+        for i, row in enumerate(rows, 1):
+            ttft, ready = row["first_token_s"], row["time_to_ready_s"]
+            lines.append(
+                f"| {engine} | {i} | {ttft:.2f} | {ready:.2f} | {_ratio(ttft, ready)} | "
+                f"{ttft - ready:+.2f} |"
+            )
+    lines.append("")
+    return lines
+
+
 def write_report(results: dict[str, Any], path: Path) -> None:
     lines = [
         "# Benchmarks",
         "",
         "Every figure below comes from `make bench` (`python -m bench`; `--only gateway`,",
-        "`--only inference` or `--only metering` reruns one part), with each system and its",
+        "`--only inference`, `--only metering` or `--only scaler` reruns one part), with each",
+        "system and its",
         "baseline measured side by side in the same run. Performance is never asserted in the",
         "test suite; it is measured here.",
         "",
@@ -205,4 +261,6 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         lines += _gateway(results["gateway"])
     if "metering" in results:
         lines += _metering(results["metering"])
+    if "scaler" in results:
+        lines += _scaler(results["scaler"])
     path.write_text("\n".join(lines))

@@ -224,6 +224,7 @@ class Scaler:
         if not any(p.config.predictive for p in self.policies.values()):
             return
         while True:
+            wait = self.settings.history_refresh_s
             try:
                 result = await run_query(
                     self.nc,
@@ -234,12 +235,14 @@ class Scaler:
                 )
                 if result.error is not None:
                     log.warning("usage history query failed", extra={"error": result.error})
+                    wait = min(wait, 60.0)
                 else:
                     self.profile = DemandProfile.from_rows(result.rows, self.settings.history_weeks)
                     log.info("demand profile built", extra={"models": len(self.profile.loads)})
             except MeteringUnavailable as exc:
                 log.warning("no usage history yet: %s", exc)
-            await asyncio.sleep(self.settings.history_refresh_s)
+                wait = min(wait, 10.0)  # the metering service may still be starting
+            await asyncio.sleep(wait)
 
     # -- status --------------------------------------------------------------
 

@@ -262,3 +262,25 @@ def test_rollups_left_short_are_rebuilt_from_the_raw_rows(store: UsageStore) -> 
         r["completion_tokens"] for r in rows + old
     )
     assert store.repair_rollups(days=3) == []  # repaired, and a second pass changes nothing
+
+
+def test_the_scalers_demand_history_query(store: UsageStore) -> None:
+    """The scaler's hour-of-week profile, from the SQL it asks the metering service to run."""
+    from services.scaler.profile import HISTORY_SQL, WEEK_S, DemandProfile, hour_of_week
+
+    now = datetime.now(UTC).timestamp()
+    slot = (now - 3 * 3600) // 3600 * 3600 + 60  # three hours ago, one minute into the hour
+    rows = [
+        # 10 requests of 60 s in one 5-minute slot: 2 requests in flight, a week and two ago
+        event(1000 + 10 * week + i, time=slot - week * WEEK_S, model="m/p", total_s=60.0)
+        for week in (1, 2)
+        for i in range(10)
+    ]
+    store.insert(rows)
+    result = store.query(HISTORY_SQL, {"weeks": 4}, 1000)
+    assert result.error is None, result.error
+    profile = DemandProfile.from_rows(result.rows, weeks=4, now=now)
+    how = hour_of_week(slot)
+    # peaks of 2.0 in two of the three times that hour came round since the first event
+    assert profile.loads["m/p"][how] == pytest.approx(4.0 / 3)
+    assert sum(profile.loads["m/p"]) == pytest.approx(4.0 / 3)
