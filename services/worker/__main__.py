@@ -15,8 +15,10 @@ from tollgate.settings import CommonSettings
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tollgate worker", description=__doc__)
     parser.add_argument("--model", help="catalog model id (default: TOLLGATE_WORKER_MODEL)")
+    parser.add_argument("--port", type=int, help="serve /healthz, /readyz, /metrics here")
     ns = parser.parse_args(argv)
-    settings = WorkerSettings(**({"model": ns.model} if ns.model else {}))
+    overrides = {k: v for k, v in (("model", ns.model), ("port", ns.port)) if v is not None}
+    settings = WorkerSettings(**overrides)
     common = CommonSettings()
     setup_logging("worker", common.log_level)
     if load_catalog(common.catalog).resolve(settings.model) is None:

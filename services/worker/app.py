@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import time
 
+from aiohttp import web
+
 from services.worker.consumer import WorkerConsumer
 from services.worker.engine import Engine
+from services.worker.metrics import WorkerMetrics, create_http_app
 from services.worker.settings import WorkerSettings
 from tollgate import bus
 from tollgate.catalog import ModelEntry, load_catalog
@@ -54,7 +58,21 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     age = process_age_s()
     born = started - (age if age is not None else 0.0)
     engine = create_engine(entry, common)
-    consumer = WorkerConsumer(nc, engine, settings, common.subjects, entry.id)
+    metrics = WorkerMetrics()
+    consumer = WorkerConsumer(nc, engine, settings, common.subjects, entry.id, metrics)
+    metrics.watch(consumer)
+
+    async def drain() -> None:
+        consumer.stopped.set()  # run_worker drains; answer once nothing is in flight
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(consumer.drained.wait(), settings.drain_timeout_s)
+
+    http: web.AppRunner | None = None
+    if settings.port is not None:
+        app = create_http_app(metrics, lambda: consumer.state, drain)
+        http = web.AppRunner(app, access_log=None)
+        await http.setup()
+        await web.TCPSite(http, settings.host, settings.port).start()
     await consumer.announce()
     try:
         await engine.start()
@@ -77,4 +95,6 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     finally:
         await engine.stop()
         await bus.close(nc)
+        if http is not None:
+            await http.cleanup()
         log.info("worker stopped")

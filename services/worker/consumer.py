@@ -28,6 +28,7 @@ from services.worker.engine import (
     TokenTally,
     current_tally,
 )
+from services.worker.metrics import WorkerMetrics
 from services.worker.settings import WorkerSettings
 from tollgate import codec
 from tollgate.bus import ensure_infer_stream
@@ -77,8 +78,10 @@ class WorkerConsumer:
         settings: WorkerSettings,
         subjects: Subjects,
         model_id: str,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.nc = nc
+        self.metrics = metrics
         self.js: JetStreamContext = nc.jetstream()
         self.engine = engine
         self.settings = settings
@@ -94,6 +97,7 @@ class WorkerConsumer:
         self._cancelled: dict[str, float] = {}
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
+        self.drained = asyncio.Event()  # set once a drain has finished every request
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -133,6 +137,7 @@ class WorkerConsumer:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=5)
+        self.drained.set()
         # The pull loop sees _stopping within one fetch timeout and unsubscribes
         # itself; a pull subscription cancelled mid-fetch would hold up NATS drain.
         pulls = [t for t in self._tasks if t.get_name() == "pull"]
@@ -342,6 +347,10 @@ class WorkerConsumer:
         if usage is None:
             usage = tally.usage()
         await reply.send(ChunkKind.END, usage=usage, outcome=outcome, finish_reason=finish)
+        if self.metrics is not None:
+            self.metrics.requests.labels(self.model_id, outcome.value).inc()
+            self.metrics.tokens.labels(self.model_id, "prompt").inc(usage.prompt_tokens)
+            self.metrics.tokens.labels(self.model_id, "completion").inc(usage.completion_tokens)
         log.info(
             "request done",
             extra={

@@ -1,0 +1,114 @@
+"""The worker's optional HTTP side: ``/healthz``, ``/readyz``, ``/metrics``, ``/drain``.
+
+Off unless ``TOLLGATE_WORKER_PORT`` is set (on Kubernetes it backs the
+readiness probe; under the local scaler many workers share a host). Metrics
+are Tollgate's own (names in docs/metrics.md) plus, for vLLM workers, vLLM's
+own ``vllm:*`` series (KV-cache use, preemptions, running and waiting
+requests, token counts), which vLLM keeps in the default registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tollgate.contracts import WorkerState
+
+if TYPE_CHECKING:
+    from services.worker.consumer import WorkerConsumer
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tollgate_worker_requests_total",
+            "Requests this worker ended, by outcome.",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "tollgate_worker_tokens_total",
+            "Tokens of the requests this worker ended (rate() gives tokens/s).",
+            ["model", "kind"],
+            registry=self.registry,
+        )
+
+    def watch(self, consumer: WorkerConsumer) -> None:
+        """Gauges read from the consumer and its engine at each scrape."""
+        self.registry.register(_LoadCollector(consumer))
+
+
+class _LoadCollector(Collector):
+    def __init__(self, consumer: WorkerConsumer) -> None:
+        self.consumer = consumer
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        c = self.consumer
+        stats = c.engine.stats()
+        model = c.model_id
+
+        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model"])
+            if value is not None:
+                family.add_metric([model], value)
+            return family
+
+        yield gauge("tollgate_worker_slots_used", "Requests running.", len(c.inflight))
+        yield gauge("tollgate_worker_slots_total", "Most requests at once.", c.engine.slots_total)
+        yield gauge("tollgate_worker_requests_waiting", "Waiting inside the engine.", stats.waiting)
+        yield gauge(
+            "tollgate_worker_kv_cache_usage_ratio", "KV cache in use, 0..1.", stats.kv_cache_usage
+        )
+        yield gauge("tollgate_worker_startup_seconds", "Process start to ready.", c.startup_s)
+        state = GaugeMetricFamily(
+            "tollgate_worker_state", "1 for the current lifecycle state.", labels=["model", "state"]
+        )
+        for s in WorkerState:
+            state.add_metric([model, s.value], 1.0 if c.state is s else 0.0)
+        yield state
+
+
+def create_http_app(
+    metrics: WorkerMetrics,
+    state: Callable[[], WorkerState],
+    drain: Callable[[], Awaitable[None]],
+) -> web.Application:
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        current = state()
+        ready = current is WorkerState.READY
+        return web.json_response({"state": current.value}, status=200 if ready else 503)
+
+    async def metrics_endpoint(request: web.Request) -> web.Response:
+        body = generate_latest(metrics.registry) + generate_latest(REGISTRY)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def drain_endpoint(request: web.Request) -> web.Response:
+        """Stop fetching and answer once in-flight requests are done.
+
+        GET as well as POST: Kubernetes ``preStop`` hooks can only send GET.
+        """
+        await drain()
+        return web.json_response({"state": state().value})
+
+    app = web.Application()
+    app.router.add_get("/drain", drain_endpoint)
+    app.router.add_post("/drain", drain_endpoint)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_endpoint)
+    return app
