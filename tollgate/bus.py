@@ -106,6 +106,22 @@ async def ensure_usage_stream(js: JetStreamContext, subjects: Subjects) -> None:
     await ensure_stream(js, config)
 
 
+async def ensure_capture_streams(js: JetStreamContext, subjects: Subjects) -> None:
+    """Captured exchanges and replay results, on their way to ClickHouse (kept a day)."""
+    for name, subject in (
+        (subjects.capture_stream, subjects.capture_all),
+        (subjects.replay_stream, subjects.replay_all),
+    ):
+        config = StreamConfig(
+            name=name,
+            subjects=[subject],
+            storage=StorageType.FILE,
+            duplicate_window=600.0,
+            max_age=86400.0,
+        )
+        await ensure_stream(js, config)
+
+
 class BatchPull:
     """Pull messages from a durable JetStream consumer in batches.
 

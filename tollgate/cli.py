@@ -103,6 +103,8 @@ def _limits(ns: argparse.Namespace) -> dict[str, Any]:
         limits["models"] = [m.strip() for m in ns.models.split(",") if m.strip()]
     if getattr(ns, "budget_tokens", None):
         limits["budget_tokens"], limits["budget_period"] = ns.budget_tokens
+    if getattr(ns, "capture", None):
+        limits["capture"] = ns.capture == "on"
     return limits
 
 
@@ -241,6 +243,51 @@ def _scaler_status(argv: list[str]) -> int:
     return asyncio.run(_scaler_status_async(ns.json))
 
 
+async def _replay_async(ns: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from tollgate import bus
+    from tollgate.analytics import MeteringUnavailable
+    from tollgate.keys import auth_dir
+    from tollgate.replay import ReplayError, replay
+
+    common = CommonSettings()
+    api_key = ns.api_key or os.environ.get("TOLLGATE_API_KEY")
+    demo = auth_dir(common.var_dir) / "demo-key"
+    if not api_key and demo.exists():
+        api_key = demo.read_text().strip()
+    if not api_key:
+        print("error: give --api-key (or TOLLGATE_API_KEY)", file=sys.stderr)
+        return 2
+    nc = await bus.connect(common.nats_url, name="tollgate-replay")
+    try:
+        report = await replay(
+            nc,
+            common.subjects,
+            base_url=ns.base_url,
+            api_key=api_key,
+            where=ns.where,
+            model=ns.model,
+            limit=ns.limit,
+            concurrency=ns.concurrency,
+        )
+    except (ReplayError, MeteringUnavailable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await bus.close(nc)
+    out = Path(ns.out or f"replay-{report.replay_id}.md")
+    markdown, details = report.write(out)
+    print(report.markdown())
+    print(f"report: {markdown} (every pair: {details}); rows in ClickHouse table `replays`")
+    return 0 if report.pairs else 1
+
+
+def _replay(ns: argparse.Namespace) -> int:
+    return asyncio.run(_replay_async(ns))
+
+
 def _day(text: str) -> date:
     try:
         return date.fromisoformat(text)
@@ -285,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--rpm", type=int, help="requests per minute")
         p.add_argument("--tpm", type=int, help="tokens per minute")
         p.add_argument("--budget-tokens", type=parse_budget, help="e.g. 1000000/month")
+        p.add_argument(
+            "--capture",
+            choices=["on", "off"],
+            help="keep this key's requests and responses in ClickHouse (exchanges)",
+        )
     key_actions.add_parser("list", help="every key, without tokens")
     key_actions.add_parser("revoke", help="revoke a key at once").add_argument("key_id")
     keys.set_defaults(func=_keys)
@@ -303,6 +355,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--max-rows", type=int, default=10_000)
     report.set_defaults(func=_usage)
     sql.set_defaults(func=_sql)
+    rp = sub.add_parser("replay", help="send captured requests to a model again and compare")
+    rp.add_argument("--where", required=True, help="SQL condition on the exchanges table")
+    rp.add_argument("--model", required=True, help="model to send them to")
+    rp.add_argument("--limit", type=int, default=20)
+    rp.add_argument("--base-url", default="http://127.0.0.1:8080", help="the router")
+    rp.add_argument("--api-key", help="key to call with (default: TOLLGATE_API_KEY, demo key)")
+    rp.add_argument("--concurrency", type=int, default=4)
+    rp.add_argument("--out", help="report file (default replay-<id>.md; JSON beside it)")
+    rp.set_defaults(func=_replay)
     sub.add_parser("metering", help="run the metering service; `metering migrate`: the schema")
     sub.add_parser(
         "scaler",

@@ -169,3 +169,53 @@ class QueryResult(_Contract):
     rows: list[list[Any]] = Field(default_factory=list, description="Rows, JSON-encoded values.")
     truncated: bool = Field(default=False, description="More rows matched than max_rows.")
     error: str | None = Field(default=None, description="Why the query failed.")
+
+
+class CaptureEvent(_Contract):
+    """A request and its response, kept for traffic analysis and replay (``tg.capture.*``).
+
+    Only for keys or tenants with capture switched on. Bodies are cut at the
+    router's size cap (``*_truncated`` says so).
+    """
+
+    type: Literal["tg.capture.v1"] = Field(default="tg.capture.v1", description="Contract type id.")
+    request_id: str = Field(description="Same id as the usage row and x-request-id.")
+    time: float = Field(description="Unix time the request ended.")
+    tenant: str = Field(description="Who pays.")
+    key_id: str | None = Field(default=None, description="The API key used.")
+    model: str = Field(description="Canonical model id.")
+    endpoint: str = Field(description="chat.completions or completions.")
+    streamed: bool = Field(description="Whether the client asked for a stream.")
+    request_body: str = Field(description="The client's JSON body.")
+    request_truncated: bool = Field(default=False, description="request_body was cut.")
+    response_text: str = Field(default="", description="The generated text (streams reassembled).")
+    response_body: str = Field(default="", description="The JSON response (a stream: rebuilt).")
+    response_truncated: bool = Field(default=False, description="The response was cut.")
+    finish_reason: str | None = Field(default=None, description="stop, length, ...")
+    outcome: str = Field(description="As in the usage row.")
+    http_status: int = Field(description="HTTP status the client got.")
+    prompt_tokens: int = Field(default=0, description="Engine's prompt tokens.")
+    completion_tokens: int = Field(default=0, description="Engine's completion tokens.")
+    ttft_s: float | None = Field(default=None, description="Seconds until the first output.")
+    total_s: float = Field(description="Seconds from arrival to the end.")
+
+
+class ReplayResult(_Contract):
+    """One captured request sent again to a model, compared with the original (``tg.replay.*``)."""
+
+    type: Literal["tg.replay.v1"] = Field(default="tg.replay.v1", description="Contract type id.")
+    replay_id: str = Field(description="One id per `tollgate replay` run.")
+    request_id: str = Field(description="The captured request replayed.")
+    time: float = Field(description="Unix time of the replay.")
+    original_model: str = Field(description="Model that answered the capture.")
+    model: str = Field(description="Model the replay went to.")
+    http_status: int = Field(description="Status of the replayed call.")
+    original_completion_tokens: int = Field(description="Length of the captured answer.")
+    completion_tokens: int = Field(description="Length of the replayed answer.")
+    original_finish_reason: str | None = Field(default=None, description="Captured finish reason.")
+    finish_reason: str | None = Field(default=None, description="Replayed finish reason.")
+    original_total_s: float = Field(description="Captured latency.")
+    total_s: float = Field(description="Replayed latency.")
+    exact_match: bool = Field(description="Replayed text equals the captured text.")
+    original_repetition: float = Field(description="Repetition score of the captured text.")
+    repetition: float = Field(description="Repetition score of the replayed text (0..1).")

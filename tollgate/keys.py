@@ -65,6 +65,9 @@ class KeyRecord(BaseModel):
     budget_tokens: int | None = Field(default=None, ge=1, description="Tokens per period.")
     budget_period: BudgetPeriod | None = Field(default=None, description="Budget period.")
     expires_at: float | None = Field(default=None, description="Unix expiry; none: never.")
+    capture: bool = Field(
+        default=False, description="Keep this key's requests and responses for analysis."
+    )
     state: KeyState = Field(default=KeyState.ACTIVE, description="Lifecycle state.")
     created_at: float = Field(default_factory=time.time, description="Unix creation time.")
     updated_at: float = Field(default_factory=time.time, description="Unix time of last change.")

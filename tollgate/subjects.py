@@ -135,3 +135,27 @@ class Subjects:
     def scaler_status(self) -> str:
         """Request/reply: the scaler's view of every model it manages."""
         return f"{self.prefix}.scaler.status"
+
+    def capture(self, tenant: str) -> str:
+        """Captured requests and responses of one tenant (JetStream)."""
+        return f"{self.prefix}.capture.{model_token(tenant)}"
+
+    @property
+    def capture_all(self) -> str:
+        return f"{self.prefix}.capture.*"
+
+    @property
+    def capture_stream(self) -> str:
+        return f"{self.prefix.upper()}_CAPTURE"
+
+    def replay(self, model_id: str) -> str:
+        """Results of `tollgate replay` runs against one model (JetStream)."""
+        return f"{self.prefix}.replay.{model_token(model_id)}"
+
+    @property
+    def replay_all(self) -> str:
+        return f"{self.prefix}.replay.*"
+
+    @property
+    def replay_stream(self) -> str:
+        return f"{self.prefix.upper()}_REPLAY"

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.metering.exchanges import start_exchange_ingest
 from services.metering.ingest import UsageIngest
 from services.metering.metrics import MeteringMetrics
 from services.metering.queries import QueryResponder
@@ -57,6 +58,7 @@ def create_app(
         applied = await asyncio.to_thread(store.migrate)
         prices = await asyncio.to_thread(store.sync_prices, catalog)
         await asyncio.to_thread(store.repair_rollups, settings.rollup_check_days)
+        await asyncio.to_thread(store.set_capture_retention, settings.capture_retention_days)
         log.info(
             "ClickHouse schema ready",
             extra={
@@ -71,11 +73,18 @@ def create_app(
         await QueryResponder(nc, store, common.subjects, settings.query_max_rows, metrics).start()
         task = asyncio.create_task(ingest.run(), name="ingest")
         task.add_done_callback(_exit_if_failed)
+        # Captured exchanges and replay results share the usage writer's thread.
+        exchanges = await start_exchange_ingest(nc, store, ingest.write, common.subjects)
+        side = [asyncio.create_task(e.run(), name=e.table) for e in exchanges]
+        for t in side:
+            t.add_done_callback(_exit_if_failed)
         yield
         # Finish the batch in hand (insert, then ack) before leaving.
         ingest.stop()
+        for e in exchanges:
+            e.stop()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, timeout=60)
+            await asyncio.wait_for(asyncio.gather(task, *side), timeout=60)
         await bus.close(nc)
         await asyncio.to_thread(store.close)
 

@@ -129,7 +129,8 @@ class UsageIngest:
         """Finish the current batch (insert and ack), then leave :meth:`run`."""
         self._stopping.set()
 
-    async def _write(self, fn: Callable[..., T], *args: Any) -> T:
+    async def write(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a ClickHouse write in the writer thread (every write, in order)."""
         return await asyncio.get_running_loop().run_in_executor(self._writes, fn, *args)
 
     async def _setup(self) -> None:
@@ -241,7 +242,7 @@ class UsageIngest:
         for row in rows:
             unique.setdefault(row["request_id"], row)
         times = [r["time"] for r in unique.values()]
-        stored = await self._write(self.store.existing_ids, list(unique), min(times), max(times))
+        stored = await self.write(self.store.existing_ids, list(unique), min(times), max(times))
         return [row for rid, row in unique.items() if rid not in stored]
 
     async def _insert_all(self, rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
@@ -259,7 +260,7 @@ class UsageIngest:
         if not rows:
             return []
         try:
-            await self._write(self.store.insert, rows)
+            await self.write(self.store.insert, rows)
             return []
         except DatabaseError as exc:
             if error_code(exc) not in DATA_ERRORS:

@@ -47,3 +47,7 @@ class MeteringSettings(BaseSettings):
         if self.clickhouse_dsn is not None:
             return self.clickhouse_dsn.get_secret_value()
         return f"chdb://{(var_dir / 'clickhouse').resolve()}"
+
+    capture_retention_days: int = Field(
+        default=30, ge=1, description="Captured exchanges are deleted after this many days."
+    )

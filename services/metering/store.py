@@ -321,6 +321,36 @@ class UsageStore:
             },
         )
 
+    def insert_json(self, table: str, rows: list[dict[str, Any]], key: str) -> None:
+        """Insert JSON rows into ``table``; a block sent again (same ``key`` values) is dropped."""
+        if not rows:
+            return
+        block = b"\n".join(orjson.dumps(row) for row in rows)
+        ids = "\n".join(sorted(str(row[key]) for row in rows))
+        token = f"{table}:" + hashlib.sha256(ids.encode()).hexdigest()
+        self._call(
+            self.writer.raw_insert,
+            table,
+            insert_block=block,
+            fmt="JSONEachRow",
+            settings={
+                "input_format_skip_unknown_fields": 1,
+                "insert_deduplication_token": token,
+            },
+        )
+
+    def set_capture_retention(self, days: int) -> None:
+        """Captured exchanges expire ``days`` after their request (changed only if different)."""
+        ttl = f"toDateTime(time) + toIntervalDay({int(days)})"
+        current = self.writer.query(
+            "SELECT engine_full FROM system.tables WHERE database = {db:String}"
+            " AND name = 'exchanges'",
+            parameters={"db": self.database},
+        ).result_rows
+        if current and f"TTL {ttl}" in str(current[0][0]):
+            return
+        self.writer.command(f"ALTER TABLE exchanges MODIFY TTL {ttl}")
+
     def _call_any(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """A call whose every failure means "try again later" (a lookup, not data)."""
         try:

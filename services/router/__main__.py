@@ -10,6 +10,7 @@ from aiohttp import web
 
 from services.router.app import create_app
 from services.router.settings import RouterSettings
+from tollgate import tracing
 from tollgate.catalog import load_catalog
 from tollgate.logs import setup_logging
 from tollgate.settings import CommonSettings
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = RouterSettings(**overrides)
     common = CommonSettings()
     setup_logging("router", common.log_level)
+    tracing.setup_tracing("router")
     app = create_app(settings, common, load_catalog(common.catalog))
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     # aiohttp's run_app stops taking connections on SIGTERM/SIGINT and waits
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         print=None,
         shutdown_timeout=settings.request_timeout_s,
     )
+    tracing.shutdown()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from services.router.appkeys import (
     WORKERS,
 )
 from services.router.auth import KeyMirror
+from services.router.capture import Capturer
 from services.router.dispatch import Dispatcher
 from services.router.errors import (
     InternalError,
@@ -92,7 +93,13 @@ def create_app(
         usage = UsagePublisher(js, common.subjects, outbox)
         await usage.start()
         limiter = await Limiter.open(js)
-        serving = OpenAIServing(catalog, dispatcher, workers, settings, limiter, usage, metrics)
+        await bus.ensure_capture_streams(js, common.subjects)
+        capturer = Capturer(
+            js, common.subjects, settings.capture_tenants, settings.capture_max_bytes
+        )
+        serving = OpenAIServing(
+            catalog, dispatcher, workers, settings, limiter, usage, metrics, capturer
+        )
         app[SERVING] = serving
         keys = KeyMirror(settings.hs256_secrets)
         app[KEYS] = keys
@@ -103,6 +110,7 @@ def create_app(
         log.info("router started", extra={"router_id": settings.router_id, "auth": settings.auth})
         yield
         await serving.drain()
+        await capturer.drain()
         await usage.flush()
         await keys.stop()
         await bus.close(nc)

@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import NoStreamResponseError
 
 from services.router.limits import Reservation
-from tollgate import codec
+from tollgate import codec, tracing
 from tollgate.bus import ensure_infer_stream
 from tollgate.contracts import CancelRequest, InferenceRequest, ResponseChunk, Usage
 from tollgate.subjects import Subjects
@@ -29,6 +29,7 @@ class Call:
 
     __slots__ = (
         "cancelled",
+        "captured",
         "delivered",
         "first_output_at",
         "queue",
@@ -51,6 +52,8 @@ class Call:
         # Tokens of the output relayed so far (the worker's running count);
         # billed when the worker dies before its final report.
         self.delivered: Usage | None = None
+        # The relayed output, kept only when this call's exchange is captured.
+        self.captured: list[str] | None = None
 
 
 class Dispatcher:
@@ -89,7 +92,9 @@ class Dispatcher:
         self._calls[request.request_id] = call
         subject = self.subjects.infer(request.model)
         data = codec.encode(request)
-        headers = {"Nats-Msg-Id": request.request_id, "Tollgate-Request-Id": request.request_id}
+        headers = tracing.inject(
+            {"Nats-Msg-Id": request.request_id, "Tollgate-Request-Id": request.request_id}
+        )
         try:
             try:
                 await self.js.publish(subject, data, headers=headers, timeout=5)

@@ -33,12 +33,14 @@ from services.router.errors import (
     sse_error_event,
 )
 from services.router.serving import KEEPALIVE, OpenAIServing, Prepared
+from tollgate import tracing
 from tollgate.catalog import ModelEntry
 from tollgate.contracts import ChunkKind, Endpoint, ResponseChunk
 from tollgate.logs import request_id_var
 
 log = logging.getLogger("tollgate.router")
 
+REPLAY_HEADER = "X-Tollgate-Replay"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
 _DONE_TEXT = "data: [DONE]"
@@ -97,16 +99,32 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _relay(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    serving = request.app[SERVING]
     request_id = uuid.uuid4().hex
     request_id_var.set(request_id)  # every log line about this call carries it
+    with tracing.span(f"POST /v1/{endpoint.value.replace('.', '/')}") as span:
+        if span is not None:
+            span.set_attribute("tollgate.request_id", request_id)
+        return await _serve_call(request, endpoint, request_id, span)
+
+
+async def _serve_call(
+    request: web.Request, endpoint: Endpoint, request_id: str, span: Any
+) -> web.StreamResponse:
+    serving = request.app[SERVING]
     try:
         principal = _principal(request)
         prepared = serving.parse(endpoint, await _read_body(request))
         if principal is not None:
             request.app[KEYS].authorize(principal, prepared.entry, prepared.body["model"])
-        call = await serving.submit(prepared, request_id, principal)
+        if span is not None:
+            span.set_attribute("gen_ai.request.model", prepared.entry.id)
+            span.set_attribute("tollgate.tenant", principal.tenant if principal else "anonymous")
+        # a replayed request (tollgate replay) is not captured again
+        replayed = REPLAY_HEADER in request.headers
+        call = await serving.submit(prepared, request_id, principal, capture=not replayed)
     except TollgateError as exc:
+        if span is not None:
+            span.set_attribute("http.response.status_code", exc.status)
         if not isinstance(exc, ServiceUnavailable):  # an accepted request: counted when it ends
             request.app[METRICS].rejected.labels(exc.code or exc.type).inc()
         log.info("request refused", extra={"status": exc.status, "code": exc.code or exc.type})

@@ -13,6 +13,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from services.router.auth import Principal
+from services.router.capture import Capturer
 from services.router.dispatch import Call, Dispatcher
 from services.router.errors import (
     DeadlineExceeded,
@@ -97,8 +98,10 @@ class OpenAIServing:
         limiter: Limiter | None = None,
         usage: UsagePublisher | None = None,
         metrics: RouterMetrics | None = None,
+        capturer: Capturer | None = None,
     ) -> None:
         self.catalog = catalog
+        self.capturer = capturer
         self.dispatcher = dispatcher
         self.workers = workers
         self.settings = settings
@@ -137,7 +140,11 @@ class OpenAIServing:
         return Prepared(endpoint, entry, body, bool(checked.stream), checked.wants_usage)
 
     async def submit(
-        self, prepared: Prepared, request_id: str, principal: Principal | None
+        self,
+        prepared: Prepared,
+        request_id: str,
+        principal: Principal | None,
+        capture: bool = True,
     ) -> Call:
         """Reserve the key's limits, then put the request in the model's queue."""
         reservation = None
@@ -167,6 +174,10 @@ class OpenAIServing:
                 )
             raise
         call.reservation = reservation
+        if capture and self.capturer is not None:
+            tenant = (principal.tenant if principal else None) or "anonymous"
+            if self.capturer.wanted(principal.record if principal else None, tenant):
+                call.captured = []
         return call
 
     async def _dispatch(
@@ -253,6 +264,8 @@ class OpenAIServing:
                     call.first_output_at = time.monotonic()
                 if chunk.usage is not None:
                     call.delivered = chunk.usage
+                if call.captured is not None and chunk.data is not None:
+                    call.captured.append(chunk.data)
             if kind is ChunkKind.USAGE and not prepared.wants_usage:
                 continue
             if kind is ChunkKind.END and chunk.outcome is Outcome.EXPIRED:
@@ -326,6 +339,10 @@ class OpenAIServing:
             http_status=status,
         )
         self._record(event)
+        if call.captured is not None and self.capturer is not None:
+            self.capturer.emit(
+                event, prepared.endpoint, prepared.body, call.captured, event.finish_reason
+            )
         log.info(
             "request done",
             extra={"request_id": request.request_id, **event.model_dump(exclude={"type", "time"})},

@@ -51,3 +51,10 @@ class RouterSettings(BaseSettings):
     hs256_secrets: dict[str, str] = Field(
         default_factory=dict, description="HS256 signing secrets by kid (JSON), if HS256 is used."
     )
+    capture_tenants: list[str] = Field(
+        default_factory=list,
+        description="Tenants whose requests and responses are kept (JSON list; '*': all).",
+    )
+    capture_max_bytes: int = Field(
+        default=64 * 1024, ge=1024, description="A captured body is cut at this size."
+    )

@@ -7,6 +7,7 @@ import asyncio
 
 from services.worker.app import run_worker
 from services.worker.settings import WorkerSettings
+from tollgate import tracing
 from tollgate.catalog import load_catalog
 from tollgate.logs import setup_logging
 from tollgate.settings import CommonSettings
@@ -21,9 +22,11 @@ def main(argv: list[str] | None = None) -> None:
     settings = WorkerSettings(**overrides)
     common = CommonSettings()
     setup_logging("worker", common.log_level)
+    tracing.setup_tracing("worker")
     if load_catalog(common.catalog).resolve(settings.model) is None:
         parser.exit(2, f"tollgate worker: model {settings.model!r} is not in the catalog\n")
     asyncio.run(run_worker(settings, common))
+    tracing.shutdown()
 
 
 # vLLM starts its engine in child processes: the entry point must be guarded.

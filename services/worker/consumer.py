@@ -30,7 +30,7 @@ from services.worker.engine import (
 )
 from services.worker.metrics import WorkerMetrics
 from services.worker.settings import WorkerSettings
-from tollgate import codec
+from tollgate import codec, tracing
 from tollgate.bus import ensure_infer_stream
 from tollgate.contracts import (
     CancelRequest,
@@ -292,7 +292,8 @@ class WorkerConsumer:
                 ChunkKind.END, outcome=Outcome.EXPIRED, usage=Usage()
             )
             return
-        task = asyncio.create_task(self._serve(request), name=request.request_id)
+        trace_headers = dict(msg.headers or {})
+        task = asyncio.create_task(self._traced(request, trace_headers), name=request.request_id)
         self.inflight[request.request_id] = task
         task.add_done_callback(lambda _: self._release(request.request_id))
 
@@ -301,6 +302,16 @@ class WorkerConsumer:
         self._slot_freed.set()
 
     # -- one request -------------------------------------------------------
+
+    async def _traced(self, request: InferenceRequest, headers: dict[str, str]) -> None:
+        """Serve in a span that continues the router's trace (when tracing is on)."""
+        attributes = {
+            "tollgate.request_id": request.request_id,
+            "gen_ai.request.model": request.model,
+            "tollgate.worker_id": self.worker_id,
+        }
+        with tracing.span("worker.serve", attributes, parent=headers):
+            await self._serve(request)
 
     async def _serve(self, request: InferenceRequest) -> None:
         request_id_var.set(request.request_id)

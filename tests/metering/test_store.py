@@ -218,6 +218,40 @@ def test_every_query_in_the_analytics_guide_runs(store: UsageStore) -> None:
     now = datetime.now(UTC).timestamp()
     store.insert([event(i, time=now - i * 60.0) for i in range(100)])
     store.insert([event(i, time=DAY + 13 * 86400 + i) for i in range(100, 200)])
+    # captured exchanges (a cut-off answer, a long prompt, a loop) and a replay
+    loop = "I am sure. " * 30
+    store.insert_json(
+        "exchanges",
+        [
+            exchange_row("x-1", now - 60, finish_reason="length", completion_tokens=512),
+            exchange_row("x-2", now - 120, prompt_tokens=40_000),
+            exchange_row("x-3", now - 180, response_text=loop),
+        ],
+        "request_id",
+    )
+    store.insert_json(
+        "replays",
+        [
+            {
+                "replay_id": "r1",
+                "request_id": "x-1",
+                "time": now,
+                "original_model": "m/a",
+                "model": "m/b",
+                "http_status": 200,
+                "original_completion_tokens": 512,
+                "completion_tokens": 100,
+                "original_finish_reason": "length",
+                "finish_reason": "stop",
+                "original_total_s": 3.0,
+                "total_s": 1.0,
+                "exact_match": False,
+                "original_repetition": 0.0,
+                "repetition": 0.0,
+            }
+        ],
+        "request_id",
+    )
     for sql in queries:
         result = store.query(sql.replace("'…'", "'req-1'"), {}, 100)
         assert result.error is None, (sql, result.error)
@@ -225,6 +259,27 @@ def test_every_query_in_the_analytics_guide_runs(store: UsageStore) -> None:
             assert result.rows == [], "the rollup check finds no gap"
         else:
             assert result.rows, sql
+
+
+def exchange_row(request_id: str, at: float, **fields: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "request_id": request_id,
+        "time": at,
+        "tenant": "acme",
+        "model": "m/a",
+        "endpoint": "chat.completions",
+        "streamed": False,
+        "request_body": "{}",
+        "request_truncated": False,
+        "response_text": "hi",
+        "response_body": "{}",
+        "response_truncated": False,
+        "outcome": "completed",
+        "http_status": 200,
+        "total_s": 0.1,
+    }
+    row.update(fields)
+    return row
 
 
 def test_a_block_inserted_again_is_dropped_everywhere(store: UsageStore) -> None:
@@ -284,3 +339,22 @@ def test_the_scalers_demand_history_query(store: UsageStore) -> None:
     # peaks of 2.0 in two of the three times that hour came round since the first event
     assert profile.loads["m/p"][how] == pytest.approx(4.0 / 3)
     assert sum(profile.loads["m/p"]) == pytest.approx(4.0 / 3)
+
+
+def test_captured_exchanges_expire_after_the_retention(store: UsageStore) -> None:
+    now = datetime.now(UTC).timestamp()
+
+    def exchange(request_id: str, age_days: float) -> dict[str, Any]:
+        return exchange_row(request_id, now - age_days * 86400)
+
+    store.set_capture_retention(10)
+    engine = "SELECT engine_full FROM system.tables WHERE database = currentDatabase()"
+    assert "toIntervalDay(10)" in scalar(store, f"{engine} AND name = 'exchanges'")
+    store.insert_json("exchanges", [exchange("old", 12), exchange("new", 1)], "request_id")
+    store.insert_json("exchanges", [exchange("old", 12), exchange("new", 1)], "request_id")
+    store.writer.command("OPTIMIZE TABLE exchanges FINAL")
+    kept = store.writer.query("SELECT request_id FROM exchanges ORDER BY request_id").result_rows
+    assert kept == [("new",)], "the 12-day-old row expired; the block sent twice is stored once"
+    store.set_capture_retention(10)  # unchanged: no ALTER
+    store.set_capture_retention(30)
+    assert "toIntervalDay(30)" in scalar(store, f"{engine} AND name = 'exchanges'")

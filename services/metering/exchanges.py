@@ -1,0 +1,150 @@
+"""Captured exchanges and replay results, from JetStream into ClickHouse.
+
+Simpler than usage ingest, because nothing is billed from these rows: a
+durable consumer per stream, batches of up to 500 messages, one insert per
+batch through the usage writer's thread, acks after the insert. A message
+that is not a valid event is terminated (never redelivered); an insert that
+fails is retried by redelivery (nak with a delay). The tables are
+ReplacingMergeTree on the request id, and a batch sent again carries the same
+deduplication token, so a redelivery does not double a row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js.api import AckPolicy, ConsumerConfig
+from pydantic import BaseModel, ValidationError
+
+from services.metering.store import UsageStore
+from tollgate.bus import BatchPull, ensure_capture_streams
+from tollgate.contracts import CaptureEvent, ReplayResult
+from tollgate.subjects import Subjects
+
+log = logging.getLogger("tollgate.metering.exchanges")
+
+Write = Callable[..., Awaitable[Any]]
+
+
+class StreamToTable:
+    def __init__(
+        self,
+        nc: NATS,
+        store: UsageStore,
+        write: Write,
+        *,
+        stream: str,
+        subject: str,
+        durable: str,
+        table: str,
+        key: str,
+        contract: type[BaseModel],
+    ) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.store = store
+        self.write = write
+        self.stream = stream
+        self.subject = subject
+        self.durable = durable
+        self.table = table
+        self.key = key
+        self.contract = contract
+        self.stored = 0
+        self.refused = 0
+        self._stopping = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _setup(self) -> None:
+        delay = 0.2
+        while True:
+            try:
+                await self.js.add_consumer(
+                    self.stream,
+                    ConsumerConfig(
+                        durable_name=self.durable,
+                        filter_subject=self.subject,
+                        ack_policy=AckPolicy.EXPLICIT,
+                        ack_wait=60,
+                        max_deliver=-1,
+                    ),
+                )
+                return
+            except Exception as exc:
+                log.warning("%s consumer not set up yet: %s", self.table, type(exc).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def run(self) -> None:
+        await self._setup()
+        pull = await BatchPull(self.nc, self.stream, self.durable).start()
+        try:
+            while not self._stopping.is_set():
+                msgs = await pull.fetch(500, timeout=1.0, window=0.5)
+                if msgs:
+                    await self._store(msgs)
+        finally:
+            await pull.stop()
+
+    async def _store(self, msgs: list[Any]) -> None:
+        rows, kept = [], []
+        for msg in msgs:
+            try:
+                event = self.contract.model_validate_json(msg.data)
+            except ValidationError:
+                self.refused += 1
+                log.error("malformed %s message dropped", self.table)
+                await msg.term()
+                continue
+            rows.append(event.model_dump(mode="json", exclude={"type"}))
+            kept.append(msg)
+        if not rows:
+            return
+        try:
+            await self.write(self.store.insert_json, self.table, rows, self.key)
+        except Exception as exc:
+            log.warning("%s insert failed, retried: %s", self.table, type(exc).__name__)
+            for msg in kept:
+                await msg.nak(delay=5)
+            return
+        for msg in kept:
+            await msg.ack()
+        self.stored += len(rows)
+
+
+async def start_exchange_ingest(
+    nc: NATS, store: UsageStore, write: Write, subjects: Subjects
+) -> list[StreamToTable]:
+    """The capture and replay consumers, running; stop them with ``stop()``."""
+    await ensure_capture_streams(nc.jetstream(), subjects)
+    ingests = [
+        StreamToTable(
+            nc,
+            store,
+            write,
+            stream=subjects.capture_stream,
+            subject=subjects.capture_all,
+            durable="metering-capture",
+            table="exchanges",
+            key="request_id",
+            contract=CaptureEvent,
+        ),
+        StreamToTable(
+            nc,
+            store,
+            write,
+            stream=subjects.replay_stream,
+            subject=subjects.replay_all,
+            durable="metering-replay",
+            table="replays",
+            key="request_id",
+            contract=ReplayResult,
+        ),
+    ]
+    return ingests

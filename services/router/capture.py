@@ -1,0 +1,156 @@
+"""Capture: the request and response bodies of chosen keys and tenants, for analysis.
+
+A key record with ``capture = true``, or a tenant in
+``TOLLGATE_ROUTER_CAPTURE_TENANTS``, has each call's JSON body and its answer
+published on ``tg.capture.<tenant>`` when the call ends; the metering service
+stores them in ClickHouse's ``exchanges`` table. A streamed answer is
+reassembled from its chunks into the text and one JSON body shaped like the
+non-streamed response. Bodies are cut at ``capture_max_bytes``. Capture never
+delays or fails a call: a lost capture is counted and logged, nothing more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+from nats.js import JetStreamContext
+
+from tollgate import codec
+from tollgate.contracts import CaptureEvent, Endpoint, UsageEvent
+from tollgate.keys import KeyRecord
+from tollgate.subjects import Subjects
+
+log = logging.getLogger("tollgate.router.capture")
+
+
+def reassemble(endpoint: Endpoint, streamed: bool, pieces: list[str]) -> tuple[str, dict[str, Any]]:
+    """(generated text, response JSON) from the relayed data (SSE events or one body)."""
+    if not streamed:
+        try:
+            body = orjson.loads("".join(pieces))
+        except orjson.JSONDecodeError:
+            return "", {}
+        choices = body.get("choices") or [{}]
+        first = choices[0]
+        if endpoint is Endpoint.CHAT:
+            text = (first.get("message") or {}).get("content") or ""
+        else:
+            text = first.get("text") or ""
+        return text, body
+    texts: list[str] = []
+    finish = None
+    head: dict[str, Any] = {}
+    usage = None
+    for piece in pieces:
+        for line in piece.splitlines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            try:
+                event = orjson.loads(line[6:])
+            except orjson.JSONDecodeError:
+                continue
+            head = head or {k: event.get(k) for k in ("id", "created", "model")}
+            usage = event.get("usage") or usage
+            for choice in event.get("choices") or []:
+                if choice.get("index", 0) != 0:
+                    continue
+                if endpoint is Endpoint.CHAT:
+                    texts.append((choice.get("delta") or {}).get("content") or "")
+                else:
+                    texts.append(choice.get("text") or "")
+                finish = choice.get("finish_reason") or finish
+    text = "".join(texts)
+    if endpoint is Endpoint.CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text}
+        kind = "text_completion"
+    body = {**head, "object": kind, "choices": [{**choice, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = usage
+    return text, body
+
+
+def _cut(text: str, limit: int) -> tuple[str, bool]:
+    data = text.encode()
+    if len(data) <= limit:
+        return text, False
+    return data[:limit].decode(errors="ignore"), True
+
+
+class Capturer:
+    def __init__(
+        self, js: JetStreamContext, subjects: Subjects, tenants: list[str], max_bytes: int
+    ) -> None:
+        self.js = js
+        self.subjects = subjects
+        self.tenants = set(tenants)
+        self.max_bytes = max_bytes
+        self.failed = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def wanted(self, record: KeyRecord | None, tenant: str) -> bool:
+        if record is not None and record.capture:
+            return True
+        return "*" in self.tenants or tenant in self.tenants
+
+    def emit(
+        self,
+        event: UsageEvent,
+        endpoint: Endpoint,
+        request_body: dict[str, Any],
+        pieces: list[str],
+        finish_reason: str | None,
+    ) -> None:
+        request_text, request_cut = _cut(orjson.dumps(request_body).decode(), self.max_bytes)
+        text, body = reassemble(endpoint, event.streamed, pieces)
+        text, text_cut = _cut(text, self.max_bytes)
+        response, body_cut = _cut(orjson.dumps(body).decode() if body else "", self.max_bytes)
+        capture = CaptureEvent(
+            request_id=event.request_id,
+            time=event.time,
+            tenant=event.tenant,
+            key_id=event.key_id,
+            model=event.model,
+            endpoint=endpoint.value,
+            streamed=event.streamed,
+            request_body=request_text,
+            request_truncated=request_cut,
+            response_text=text,
+            response_body=response,
+            response_truncated=text_cut or body_cut,
+            finish_reason=finish_reason,
+            outcome=event.outcome,
+            http_status=event.http_status,
+            prompt_tokens=event.prompt_tokens,
+            completion_tokens=event.completion_tokens,
+            ttft_s=event.ttft_s,
+            total_s=event.total_s,
+        )
+        task = asyncio.create_task(self._publish(capture))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _publish(self, capture: CaptureEvent) -> None:
+        try:
+            await self.js.publish(
+                self.subjects.capture(capture.tenant),
+                codec.encode(capture),
+                headers={"Nats-Msg-Id": capture.request_id},
+                timeout=5,
+            )
+        except Exception as exc:
+            self.failed += 1
+            log.warning(
+                "capture not published: %s",
+                type(exc).__name__,
+                extra={"request_id": capture.request_id},
+            )
+
+    async def drain(self, timeout: float = 10) -> None:
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=timeout)
