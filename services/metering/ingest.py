@@ -157,10 +157,21 @@ class UsageIngest:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.retry_max_s)
 
+    async def _watch_pending(self, every_s: float = 5.0) -> None:
+        """Keep the consumer-lag gauge current (events waiting in the stream)."""
+        while True:
+            with contextlib.suppress(Exception):  # NATS away for a moment: next time
+                info = await self.js.consumer_info(
+                    self.subjects.usage_stream, self.settings.durable
+                )
+                self.metrics.pending.set(info.num_pending)
+            await asyncio.sleep(every_s)
+
     async def run(self) -> None:
         await self._setup()
         puller = await BatchPull(self.nc, self.subjects.usage_stream, self.settings.durable).start()
         self.running = True
+        watch = asyncio.create_task(self._watch_pending(), name="pending")
         # The next batch is collected while the previous one is written: the
         # insert runs in the writer thread, off the event loop.
         writing: asyncio.Task[None] | None = None
@@ -176,6 +187,7 @@ class UsageIngest:
                 await writing
         finally:
             self.running = False
+            watch.cancel()
             await puller.stop()
             # A ClickHouse call still running finishes in its thread; the
             # event loop does not wait for it.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LAG_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60, 300)
 
@@ -39,6 +39,11 @@ class MeteringMetrics:
             "tollgate_metering_lag_seconds",
             "From a batch's newest request end to its rows being stored.",
             buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self.pending = Gauge(
+            "tollgate_metering_consumer_pending",
+            "Usage events in the stream not yet delivered to the writer (consumer lag).",
             registry=r,
         )
         self.queries = Counter(

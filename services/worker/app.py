@@ -23,8 +23,13 @@ from tollgate.settings import CommonSettings
 log = logging.getLogger("tollgate.worker")
 
 
-def create_engine(entry: ModelEntry, common: CommonSettings) -> Engine:
+def create_engine(
+    entry: ModelEntry, common: CommonSettings, parts: dict[str, float] | None = None
+) -> Engine:
+    started = time.monotonic()
     model_path = prepare_model(entry, common.model_cache_dir)
+    if parts is not None:
+        parts["weights"] = round(time.monotonic() - started, 3)
     if entry.engine == "simulated":
         from services.worker.simulated import SimulatedEngine
 
@@ -57,7 +62,8 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     started = time.monotonic()
     age = process_age_s()
     born = started - (age if age is not None else 0.0)
-    engine = create_engine(entry, common)
+    parts: dict[str, float] = {"process": round(started - born, 3)}  # interpreter + imports
+    engine = create_engine(entry, common, parts)
     metrics = WorkerMetrics()
     consumer = WorkerConsumer(nc, engine, settings, common.subjects, entry.id, metrics)
     metrics.watch(consumer)
@@ -75,7 +81,9 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
         await web.TCPSite(http, settings.host, settings.port).start()
     await consumer.announce()
     try:
+        engine_started = time.monotonic()
         await engine.start()
+        parts["engine"] = round(time.monotonic() - engine_started, 3)
         log.info(
             "engine ready",
             extra={
@@ -85,6 +93,7 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
             },
         )
         consumer.startup_s = round(time.monotonic() - born, 3)
+        consumer.startup_parts = parts
         await consumer.start()
         stopped = asyncio.create_task(consumer.stopped.wait())
         signalled = asyncio.create_task(stop.wait())

@@ -89,6 +89,8 @@ class WorkerConsumer:
         self.model_id = model_id
         self.state = WorkerState.STARTING
         self.startup_s: float | None = None  # process start to ready, set once ready
+        # its parts: process (interpreter, imports), weights (prepare), engine (start)
+        self.startup_parts: dict[str, float] = {}
         self.inflight: dict[str, asyncio.Task[None]] = {}
         # Requests still in the engine: only these may be cancelled, so a late
         # cancel cannot cut off the final chunk that carries the usage.

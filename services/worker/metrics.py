@@ -72,6 +72,14 @@ class _LoadCollector(Collector):
             "tollgate_worker_kv_cache_usage_ratio", "KV cache in use, 0..1.", stats.kv_cache_usage
         )
         yield gauge("tollgate_worker_startup_seconds", "Process start to ready.", c.startup_s)
+        parts = GaugeMetricFamily(
+            "tollgate_worker_startup_part_seconds",
+            "Time-to-ready by part: process (interpreter, imports), weights, engine.",
+            labels=["model", "part"],
+        )
+        for part, seconds in c.startup_parts.items():
+            parts.add_metric([model, part], seconds)
+        yield parts
         state = GaugeMetricFamily(
             "tollgate_worker_state", "1 for the current lifecycle state.", labels=["model", "state"]
         )

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import random
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -419,6 +420,11 @@ async def test_every_ending_yields_exactly_one_row(meter_stack: MeterStack) -> N
     await settle(ms, tenant, TOTAL)
     await check_exactly_once(ms, mix, tenant)
     assert await ms.metric("tollgate_metering_events_duplicate_total") == duplicates_before + TOTAL
+    # everything delivered: the consumer-lag gauge comes down to zero (updated every 5 s)
+    deadline = time.monotonic() + 15
+    while await ms.metric("tollgate_metering_consumer_pending") != 0:
+        assert time.monotonic() < deadline, "consumer lag gauge never reached 0"
+        await asyncio.sleep(0.5)
 
 
 async def test_a_nats_restart_loses_and_doubles_nothing(meter_stack: MeterStack) -> None:

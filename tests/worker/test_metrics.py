@@ -54,7 +54,13 @@ async def test_worker_metrics_count_what_it_served(
     assert kinds == {"prompt": prompt, "completion": completion}
     assert got[("tollgate_worker_slots_total", m)] == 4
     assert got[("tollgate_worker_slots_used", m)] == 0
-    assert got[("tollgate_worker_startup_seconds", m)] > 0
+    total = got[("tollgate_worker_startup_seconds", m)]
+    parts = {
+        part: got[("tollgate_worker_startup_part_seconds", (*m, ("part", part)))]
+        for part in ("process", "weights", "engine")
+    }
+    assert total > 0 and all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) <= total + 0.01, "the parts fit in the whole time-to-ready"
     assert got[("tollgate_worker_state", (*m, ("state", "ready")))] == 1
     assert got[("tollgate_worker_state", (*m, ("state", "draining")))] == 0
     # GET /drain (what a Kubernetes preStop hook sends): answered once drained; then it exits
