@@ -91,6 +91,7 @@ async def ensure_infer_stream(
         storage=StorageType.MEMORY,
         max_age=max_age_s,
         duplicate_window=min(120.0, max_age_s),
+        num_replicas=subjects.replicas,
     )
     await ensure_stream(js, config)
 
@@ -102,6 +103,7 @@ async def ensure_usage_stream(js: JetStreamContext, subjects: Subjects) -> None:
         subjects=[subjects.usage_all],
         storage=StorageType.FILE,
         duplicate_window=600.0,
+        num_replicas=subjects.replicas,
     )
     await ensure_stream(js, config)
 
@@ -118,6 +120,7 @@ async def ensure_capture_streams(js: JetStreamContext, subjects: Subjects) -> No
             storage=StorageType.FILE,
             duplicate_window=600.0,
             max_age=86400.0,
+            num_replicas=subjects.replicas,
         )
         await ensure_stream(js, config)
 

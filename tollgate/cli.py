@@ -117,7 +117,9 @@ async def _keys_async(ns: argparse.Namespace) -> int:
     common = CommonSettings()
     nc = await bus.connect(common.nats_url, name="tollgate-cli")
     try:
-        store = await KeyStore(nc.jetstream(), actor=f"cli:{getpass.getuser()}").open()
+        store = await KeyStore(
+            nc.jetstream(), actor=f"cli:{getpass.getuser()}", replicas=common.subjects.replicas
+        ).open()
         if ns.action == "create":
             signing = SigningKeySet(auth_dir(common.var_dir) / "signing-keys.json")
             if signing.current is None:

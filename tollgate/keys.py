@@ -295,9 +295,10 @@ class KeyStore:
     Every change also goes to the audit stream.
     """
 
-    def __init__(self, js: Any, actor: str = "tollgate") -> None:
+    def __init__(self, js: Any, actor: str = "tollgate", replicas: int = 1) -> None:
         self.js = js
         self.actor = actor
+        self.replicas = replicas  # copies of the buckets and the audit stream, when created
         self.keys: Any = None
         self.signing: Any = None
 
@@ -311,7 +312,12 @@ class KeyStore:
 
         try:
             await self.js.add_stream(
-                StreamConfig(name=AUDIT_STREAM, subjects=[AUDIT_SUBJECT], storage=StorageType.FILE)
+                StreamConfig(
+                    name=AUDIT_STREAM,
+                    subjects=[AUDIT_SUBJECT],
+                    storage=StorageType.FILE,
+                    num_replicas=self.replicas,
+                )
             )
         except BadRequestError:
             pass  # exists
@@ -321,7 +327,9 @@ class KeyStore:
                 kv = await self.js.key_value(bucket)
             except Exception:
                 kv = await self.js.create_key_value(
-                    KeyValueConfig(bucket=bucket, storage=StorageType.FILE, history=5)
+                    KeyValueConfig(
+                        bucket=bucket, storage=StorageType.FILE, history=5, replicas=self.replicas
+                    )
                 )
             setattr(self, attr, kv)
         return self

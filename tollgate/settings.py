@@ -28,10 +28,13 @@ class CommonSettings(BaseSettings):
         default=None, description="Prepared-model cache; <var_dir>/cache/models when unset."
     )
     log_level: str = Field(default="INFO", description="Logging level.")
+    stream_replicas: int = Field(
+        default=1, ge=1, le=5, description="Copies of each JetStream stream and KV bucket."
+    )
 
     @property
     def subjects(self) -> Subjects:
-        return Subjects(self.subject_prefix)
+        return Subjects(self.subject_prefix, self.stream_replicas)
 
     @property
     def model_cache_dir(self) -> Path:

@@ -52,9 +52,14 @@ def model_id_from_token(token: str) -> str:
 
 @dataclass(frozen=True)
 class Subjects:
-    """All subject and stream names, under one configurable prefix."""
+    """All subject and stream names, under one configurable prefix.
+
+    ``replicas`` is how many copies JetStream keeps of each stream and
+    key-value bucket Tollgate creates (1 on one server, 3 on a cluster).
+    """
 
     prefix: str = "tg"
+    replicas: int = 1
 
     def infer(self, model_id: str) -> str:
         """Work-queue subject where inference requests for a model wait."""

@@ -144,14 +144,15 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
     async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
         nc = await bus.connect(common.nats_url, name="auth")
         js = nc.jetstream()
-        store = await KeyStore(js, actor="admin-api").open()
+        replicas = common.subjects.replicas
+        store = await KeyStore(js, actor="admin-api", replicas=replicas).open()
         signing = SigningKeySet(settings.signing_keys_file or folder / "signing-keys.json")
         if signing.current is None:
             await store.publish_signing_key(signing.generate(settings.algorithm), "rotate")
         app[ADMIN] = KeyAdmin(store, signing)
         ledger = BudgetLedger(
             js,
-            KeyStore(js, actor="budget-ledger"),
+            KeyStore(js, actor="budget-ledger", replicas=replicas),
             common.subjects,
             settings.reactivate_every_s,
             app[METRICS],

@@ -62,7 +62,9 @@ class BudgetLedger:
             self.spend = await self.js.key_value(SPEND_BUCKET)
         except Exception:
             self.spend = await self.js.create_key_value(
-                KeyValueConfig(bucket=SPEND_BUCKET, storage=StorageType.FILE)
+                KeyValueConfig(
+                    bucket=SPEND_BUCKET, storage=StorageType.FILE, replicas=self.subjects.replicas
+                )
             )
 
     async def spent(self, key_id: str, window: str) -> int:

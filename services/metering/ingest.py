@@ -101,6 +101,7 @@ async def ensure_dead_letter_stream(js: JetStreamContext, subjects: Subjects) ->
         subjects=[subjects.usage_dead_letter],
         storage=StorageType.FILE,
         duplicate_window=600.0,
+        num_replicas=subjects.replicas,
     )
     await ensure_stream(js, config)
 

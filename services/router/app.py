@@ -92,7 +92,7 @@ def create_app(
         outbox = Outbox(settings.outbox or common.var_dir / "outbox" / f"router-{settings.port}.db")
         usage = UsagePublisher(js, common.subjects, outbox)
         await usage.start()
-        limiter = await Limiter.open(js)
+        limiter = await Limiter.open(js, common.subjects.replicas)
         await bus.ensure_capture_streams(js, common.subjects)
         capturer = Capturer(
             js, common.subjects, settings.capture_tenants, settings.capture_max_bytes
@@ -104,7 +104,7 @@ def create_app(
         keys = KeyMirror(settings.hs256_secrets)
         app[KEYS] = keys
         if settings.auth:
-            await keys.start(nc)
+            await keys.start(nc, common.subjects.replicas)
             if not await keys.wait_synced(timeout=10):
                 log.warning("key whitelist not loaded yet; not ready until it is")
         log.info("router started", extra={"router_id": settings.router_id, "auth": settings.auth})

@@ -67,8 +67,8 @@ class KeyMirror:
     def ready(self) -> bool:
         return all(event.is_set() for event in self._synced.values())
 
-    async def start(self, nc: NATS) -> None:
-        store = await KeyStore(nc.jetstream()).open()
+    async def start(self, nc: NATS, replicas: int = 1) -> None:
+        store = await KeyStore(nc.jetstream(), replicas=replicas).open()
         self._tasks = [
             asyncio.create_task(self._watch(nc, store.keys, "keys", self._apply_key)),
             asyncio.create_task(self._watch(nc, store.signing, "signing", self._apply_signing)),

@@ -100,7 +100,7 @@ class Limiter:
         self.budgets = budgets
 
     @classmethod
-    async def open(cls, js: Any) -> Limiter:
+    async def open(cls, js: Any, replicas: int = 1) -> Limiter:
         async def bucket(name: str, config: KeyValueConfig) -> Any:
             try:
                 return await js.key_value(name)
@@ -108,10 +108,14 @@ class Limiter:
                 return await js.create_key_value(config)
 
         rates = await bucket(
-            RATE_BUCKET, KeyValueConfig(bucket=RATE_BUCKET, storage=StorageType.MEMORY, ttl=120)
+            RATE_BUCKET,
+            KeyValueConfig(
+                bucket=RATE_BUCKET, storage=StorageType.MEMORY, ttl=120, replicas=replicas
+            ),
         )
         budgets = await bucket(
-            BUDGET_BUCKET, KeyValueConfig(bucket=BUDGET_BUCKET, storage=StorageType.FILE)
+            BUDGET_BUCKET,
+            KeyValueConfig(bucket=BUDGET_BUCKET, storage=StorageType.FILE, replicas=replicas),
         )
         return cls(CounterStore(rates), CounterStore(budgets))
 

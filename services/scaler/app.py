@@ -91,6 +91,7 @@ class Scaler:
                 retention=RetentionPolicy.LIMITS,
                 storage=StorageType.FILE,
                 max_age=30 * 86400,
+                num_replicas=self.subjects.replicas,
             ),
         )
         await self.backend.start()
