@@ -52,25 +52,88 @@ def _up(ns: argparse.Namespace) -> int:
     return asyncio.run(stack.run(sys.stdout))
 
 
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"
+
+
 def _models(ns: argparse.Namespace) -> int:
-    from tollgate.modelprep import ModelSourceError, prepare_model
+    from tollgate.modelprep import (
+        EntryInUse,
+        ModelSourceError,
+        check_entry,
+        entries_for,
+        prepare_model,
+        remove_entry,
+    )
 
     common = CommonSettings()
     catalog = load_catalog(common.catalog)
+    cache = common.model_cache_dir
+    try:
+        entries = [catalog.get(m) for m in ns.ids] if ns.ids else list(catalog.models.values())
+    except KeyError as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 1
     if ns.action == "list":
-        for entry in catalog.models.values():
+        for entry in entries:
+            found = entries_for(entry, cache)
+            if found:
+                state = ", ".join(
+                    f"cached {_size(c.size)}" + (" in use" if c.in_use else "") for c in found
+                )
+            else:
+                state = "not cached" if entry.source.endswith(".gguf") else "used in place"
             aliases = f" (aliases: {', '.join(entry.aliases)})" if entry.aliases else ""
-            print(f"{entry.id}\t{entry.engine}\t{entry.source}{aliases}")
+            print(f"{entry.id}\t{entry.engine}\t{state}\t{entry.source}{aliases}")
         return 0
-    ids = ns.ids or list(catalog.models)
-    for model_id in ids:
-        try:
-            path = prepare_model(catalog.get(model_id), common.model_cache_dir)
-        except (KeyError, ModelSourceError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        print(f"{model_id}: {path}")
-    return 0
+    if ns.action in ("prepare", "pull"):
+        for entry in entries:
+            timings: dict[str, float] = {}
+            try:
+                path = prepare_model(
+                    entry, cache, budget_bytes=common.model_cache_budget, timings=timings
+                )
+            except ModelSourceError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+            took = f" (converted in {timings['convert']:.1f} s)" if "convert" in timings else ""
+            print(f"{entry.id}: {path}{took}")
+        return 0
+    if ns.action == "rm":
+        status = 0
+        for entry in entries:
+            for cached in entries_for(entry, cache):
+                try:
+                    remove_entry(cached.path)
+                    print(f"{entry.id}: removed {cached.path.name} ({_size(cached.size)})")
+                except EntryInUse as exc:
+                    print(f"error: {entry.id}: {exc}", file=sys.stderr)
+                    status = 1
+        return status
+    # verify: every file's size and sha256 against the entry's manifest
+    status = 0
+    for entry in entries:
+        for cached in entries_for(entry, cache):
+            problems = check_entry(cached.path, full=True)
+            if not problems:
+                print(f"{entry.id}: {cached.path.name} ok ({_size(cached.size)})")
+                continue
+            status = 1
+            print(f"{entry.id}: {cached.path.name} CORRUPT: {'; '.join(problems[:5])}")
+            if ns.fix:
+                try:
+                    remove_entry(cached.path)
+                    prepare_model(entry, cache, budget_bytes=common.model_cache_budget)
+                    print(f"{entry.id}: prepared again")
+                    status = 0 if status == 1 else status
+                except (EntryInUse, ModelSourceError) as exc:
+                    print(f"error: {entry.id}: {exc}", file=sys.stderr)
+    return status
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, "y": 365 * 86400}
@@ -317,8 +380,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     up.set_defaults(func=_up)
     models = sub.add_parser("models", help="the model catalog")
-    models.add_argument("action", choices=["list", "prepare"])
+    models.add_argument(
+        "action",
+        choices=["list", "prepare", "pull", "rm", "verify"],
+        help="list the catalog and cache; prepare/pull weights; rm from the cache; "
+        "verify sizes and sha256",
+    )
     models.add_argument("ids", nargs="*")
+    models.add_argument("--fix", action="store_true", help="verify: prepare corrupt entries again")
     models.set_defaults(func=_models)
     keys = sub.add_parser("keys", help="API keys (the whitelist in NATS KV)")
     key_actions = keys.add_subparsers(dest="action", required=True)

@@ -27,6 +27,11 @@ class CommonSettings(BaseSettings):
     model_cache: Path | None = Field(
         default=None, description="Prepared-model cache; <var_dir>/cache/models when unset."
     )
+    model_cache_max_gb: float = Field(
+        default=0.0,
+        ge=0,
+        description="Cache size budget; least recently used models go first (0: no limit).",
+    )
     log_level: str = Field(default="INFO", description="Logging level.")
     stream_replicas: int = Field(
         default=1, ge=1, le=5, description="Copies of each JetStream stream and KV bucket."
@@ -35,6 +40,10 @@ class CommonSettings(BaseSettings):
     @property
     def subjects(self) -> Subjects:
         return Subjects(self.subject_prefix, self.stream_replicas)
+
+    @property
+    def model_cache_budget(self) -> int | None:
+        return int(self.model_cache_max_gb * 1e9) or None
 
     @property
     def model_cache_dir(self) -> Path:

@@ -17,7 +17,7 @@ from services.worker.metrics import WorkerMetrics, create_http_app
 from services.worker.settings import WorkerSettings
 from tollgate import bus
 from tollgate.catalog import ModelEntry, load_catalog
-from tollgate.modelprep import prepare_model
+from tollgate.modelprep import hold_entry, prepare_model
 from tollgate.settings import CommonSettings
 
 log = logging.getLogger("tollgate.worker")
@@ -27,9 +27,14 @@ def create_engine(
     entry: ModelEntry, common: CommonSettings, parts: dict[str, float] | None = None
 ) -> Engine:
     started = time.monotonic()
-    model_path = prepare_model(entry, common.model_cache_dir)
+    timings: dict[str, float] = {}
+    model_path = prepare_model(
+        entry, common.model_cache_dir, budget_bytes=common.model_cache_budget, timings=timings
+    )
     if parts is not None:
-        parts["weights"] = round(time.monotonic() - started, 3)
+        convert = timings.get("convert", 0.0)
+        parts["fetch"] = round(max(0.0, time.monotonic() - started - convert), 3)
+        parts["convert"] = convert
     if entry.engine == "simulated":
         from services.worker.simulated import SimulatedEngine
 
@@ -64,6 +69,8 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     born = started - (age if age is not None else 0.0)
     parts: dict[str, float] = {"process": round(started - born, 3)}  # interpreter + imports
     engine = create_engine(entry, common, parts)
+    # the cached weights stay ours while we run: eviction and `models rm` skip them
+    lease = hold_entry(engine.model_path)
     metrics = WorkerMetrics()
     consumer = WorkerConsumer(nc, engine, settings, common.subjects, entry.id, metrics)
     metrics.watch(consumer)
@@ -106,4 +113,6 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
         await bus.close(nc)
         if http is not None:
             await http.cleanup()
+        if lease is not None:
+            lease.close()
         log.info("worker stopped")

@@ -89,7 +89,7 @@ class WorkerConsumer:
         self.model_id = model_id
         self.state = WorkerState.STARTING
         self.startup_s: float | None = None  # process start to ready, set once ready
-        # its parts: process (interpreter, imports), weights (prepare), engine (start)
+        # its parts: process (interpreter, imports), fetch and convert (weights), engine
         self.startup_parts: dict[str, float] = {}
         self.inflight: dict[str, asyncio.Task[None]] = {}
         # Requests still in the engine: only these may be cancelled, so a late

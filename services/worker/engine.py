@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from tollgate.contracts import Endpoint, Usage
@@ -82,6 +83,7 @@ class EngineStats:
 class Engine(Protocol):
     name: str
     slots_total: int
+    model_path: Path  # the prepared weights it serves
 
     async def start(self) -> None: ...
 
