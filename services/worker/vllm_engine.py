@@ -36,6 +36,23 @@ _USAGE_MARK = '"choices":[],"usage":'
 _FINISH_MARK = '"finish_reason":"'
 
 
+def _vllm_gauge(name: str, model: str) -> float | None:
+    """The current value of one of vLLM's gauges for ``model`` (None if vLLM has none)."""
+    from prometheus_client import REGISTRY
+
+    collector = REGISTRY._names_to_collectors.get(name)  # only that gauge, not all of them
+    if collector is None:
+        return None
+    try:
+        for family in collector.collect():
+            for sample in family.samples:
+                if sample.name == name and sample.labels.get("model_name") == model:
+                    return float(sample.value)
+    except Exception:  # a stats read never breaks a heartbeat
+        return None
+    return None
+
+
 def build_engine_argv(entry: ModelEntry, model_path: Path) -> list[str]:
     """Command-line arguments for vLLM's own parser, as ``vllm serve`` takes them."""
     return [
@@ -171,7 +188,13 @@ class VllmEngine:
         if self._client is None:
             return EngineStats()
         unfinished = self._client.output_processor.get_num_unfinished_requests()
-        return EngineStats(running=unfinished)
+        # KV-cache use and the scheduler's queue, from vLLM's own Prometheus gauges
+        waiting = _vllm_gauge("vllm:num_requests_waiting", self.entry.id)
+        return EngineStats(
+            running=unfinished,
+            waiting=int(waiting or 0),
+            kv_cache_usage=_vllm_gauge("vllm:kv_cache_usage_perc", self.entry.id),
+        )
 
     async def run(self, endpoint: Endpoint, body: dict[str, Any], request_id: str) -> EngineResult:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse

@@ -224,10 +224,20 @@ async def test_client_disconnect_frees_the_slot(
             async with http.stream("POST", f"{router_url}/v1/chat/completions", json=body) as r:
                 request_id = r.headers["x-request-id"]
                 seen = 0
-                async for line in r.aiter_lines():
+                # Hold the iterator: a dropped one is closed, and so the connection.
+                lines = r.aiter_lines()
+                async for line in lines:
                     seen += line.startswith("data: ")
                     if seen >= 5:
                         break
+                # while it generates, the heartbeats carry vLLM's own KV-cache use
+                await watch.wait_for(
+                    lambda b: any(
+                        x.model == REAL_MODEL and x.slots_used == 1 and (x.kv_cache_usage or 0) > 0
+                        for x in b.values()
+                    ),
+                    timeout=15,
+                )
         await watch.wait_for(
             lambda b: any(x.model == REAL_MODEL and x.slots_used == 0 for x in b.values()),
             timeout=30,
