@@ -14,7 +14,6 @@ import signal
 from collections.abc import AsyncIterator
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.metering.exchanges import start_exchange_ingest
 from services.metering.ingest import UsageIngest
@@ -24,12 +23,12 @@ from services.metering.settings import MeteringSettings
 from services.metering.store import UsageStore
 from tollgate import bus
 from tollgate.catalog import Catalog
+from tollgate.ops import add_ops_routes
 from tollgate.settings import CommonSettings
 
 log = logging.getLogger("tollgate.metering")
 
 INGEST = web.AppKey("ingest", UsageIngest)
-METRICS = web.AppKey("metrics", MeteringMetrics)
 
 
 def open_store(settings: MeteringSettings, common: CommonSettings) -> UsageStore:
@@ -51,7 +50,6 @@ def create_app(
 ) -> web.Application:
     app = web.Application()
     metrics = MeteringMetrics()
-    app[METRICS] = metrics
 
     async def service_ctx(app: web.Application) -> AsyncIterator[None]:
         store = await asyncio.to_thread(open_store, settings, common)
@@ -88,20 +86,10 @@ def create_app(
         await bus.close(nc)
         await asyncio.to_thread(store.close)
 
-    async def healthz(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def readyz(request: web.Request) -> web.Response:
-        ingest = request.app.get(INGEST)
-        ready = ingest is not None and ingest.running
-        return web.json_response({"ready": ready}, status=200 if ready else 503)
-
-    async def metrics_endpoint(request: web.Request) -> web.Response:
-        body = generate_latest(request.app[METRICS].registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    def ready(app: web.Application) -> bool:
+        ingest = app.get(INGEST)
+        return ingest is not None and ingest.running
 
     app.cleanup_ctx.append(service_ctx)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics_endpoint)
+    add_ops_routes(app, metrics.registry, ready)
     return app

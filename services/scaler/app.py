@@ -21,7 +21,6 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.scaler.backends import Backend, KubernetesBackend, LocalBackend, Replicas
 from services.scaler.metrics import ScalerMetrics
@@ -33,12 +32,12 @@ from tollgate import bus, codec
 from tollgate.analytics import MeteringUnavailable, run_query
 from tollgate.catalog import Catalog, ModelEntry
 from tollgate.contracts import WorkerState
+from tollgate.ops import add_ops_routes
 from tollgate.settings import CommonSettings
 
 log = logging.getLogger("tollgate.scaler")
 
 SCALER = web.AppKey("scaler", object)
-METRICS = web.AppKey("metrics", ScalerMetrics)
 
 
 def catalog_slots(entry: ModelEntry) -> int:
@@ -291,7 +290,6 @@ def create_app(
 ) -> web.Application:
     app = web.Application()
     metrics = ScalerMetrics()
-    app[METRICS] = metrics
 
     async def service_ctx(app: web.Application) -> AsyncIterator[None]:
         nc = await bus.connect(common.nats_url, name="scaler")
@@ -304,19 +302,6 @@ def create_app(
         await scaler.stop()  # local backend: drains the workers it started
         await bus.close(nc)
 
-    async def healthz(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def readyz(request: web.Request) -> web.Response:
-        ready = SCALER in request.app
-        return web.json_response({"ready": ready}, status=200 if ready else 503)
-
-    async def metrics_endpoint(request: web.Request) -> web.Response:
-        body = generate_latest(request.app[METRICS].registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
     app.cleanup_ctx.append(service_ctx)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics_endpoint)
+    add_ops_routes(app, metrics.registry, lambda app: SCALER in app)
     return app
