@@ -300,15 +300,16 @@ def test_rollups_left_short_are_rebuilt_from_the_raw_rows(store: UsageStore) -> 
     old = [event(i, time=now - 10 * 86400 - i) for i in range(1000, 1010)]
     store.insert(old)
     assert store.repair_rollups(days=3) == []
-    # A crash between the raw write and the rollup writes: rows missing from both rollups.
-    today = datetime.now(UTC).date()
+    # A crash between the raw write and the rollup writes: rows missing from both rollups,
+    # on a day that has rows whatever the time of the run (six hours ago: rows cover ~44 h).
+    damaged = datetime.fromtimestamp(now - 6 * 3600, UTC).date()
     for table, column in (("usage_hourly", "toDate(hour)"), ("usage_daily", "day")):
         store.writer.command(
             f"ALTER TABLE {table} DELETE WHERE {column} = {{d:Date}} AND tenant = 'acme'",
-            parameters={"d": today},
+            parameters={"d": damaged},
             settings={"mutations_sync": 2},
         )
-    assert store.repair_rollups(days=3) == [today]
+    assert store.repair_rollups(days=3) == [damaged]
     raw = scalar(store, "SELECT count() FROM usage_events FINAL")
     assert raw == 410
     assert scalar(store, "SELECT sum(requests) FROM usage_hourly") == raw
