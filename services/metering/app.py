@@ -15,13 +15,14 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from services.metering.exchanges import start_exchange_ingest
+from services.metering.exchanges import exchange_ingests
 from services.metering.ingest import UsageIngest
 from services.metering.metrics import MeteringMetrics
 from services.metering.queries import QueryResponder
 from services.metering.settings import MeteringSettings
 from services.metering.store import UsageStore
 from tollgate import bus
+from tollgate.bus import ensure_capture_streams
 from tollgate.catalog import Catalog
 from tollgate.ops import add_ops_routes
 from tollgate.settings import CommonSettings
@@ -72,7 +73,8 @@ def create_app(
         task = asyncio.create_task(ingest.run(), name="ingest")
         task.add_done_callback(_exit_if_failed)
         # Captured exchanges and replay results share the usage writer's thread.
-        exchanges = await start_exchange_ingest(nc, store, ingest.write, common.subjects)
+        await ensure_capture_streams(nc.jetstream(), common.subjects)
+        exchanges = exchange_ingests(nc, store, ingest.write, common.subjects)
         side = [asyncio.create_task(e.run(), name=e.table) for e in exchanges]
         for t in side:
             t.add_done_callback(_exit_if_failed)

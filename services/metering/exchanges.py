@@ -21,7 +21,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from pydantic import BaseModel, ValidationError
 
 from services.metering.store import UsageStore
-from tollgate.bus import BatchPull, ensure_capture_streams
+from tollgate.bus import BatchPull
 from tollgate.contracts import CaptureEvent, ReplayResult
 from tollgate.subjects import Subjects
 
@@ -118,33 +118,36 @@ class StreamToTable:
         self.stored += len(rows)
 
 
-async def start_exchange_ingest(
+def exchange_ingests(
     nc: NATS, store: UsageStore, write: Write, subjects: Subjects
 ) -> list[StreamToTable]:
-    """The capture and replay consumers, running; stop them with ``stop()``."""
-    await ensure_capture_streams(nc.jetstream(), subjects)
-    ingests = [
+    """The capture and replay consumers (the caller runs and stops them)."""
+    return [
         StreamToTable(
             nc,
             store,
             write,
-            stream=subjects.capture_stream,
-            subject=subjects.capture_all,
-            durable="metering-capture",
-            table="exchanges",
+            stream=stream,
+            subject=subject,
+            durable=durable,
+            table=table,
             key="request_id",
-            contract=CaptureEvent,
-        ),
-        StreamToTable(
-            nc,
-            store,
-            write,
-            stream=subjects.replay_stream,
-            subject=subjects.replay_all,
-            durable="metering-replay",
-            table="replays",
-            key="request_id",
-            contract=ReplayResult,
-        ),
+            contract=contract,
+        )
+        for stream, subject, durable, table, contract in (
+            (
+                subjects.capture_stream,
+                subjects.capture_all,
+                "metering-capture",
+                "exchanges",
+                CaptureEvent,
+            ),
+            (
+                subjects.replay_stream,
+                subjects.replay_all,
+                "metering-replay",
+                "replays",
+                ReplayResult,
+            ),
+        )
     ]
-    return ingests

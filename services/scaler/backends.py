@@ -135,7 +135,6 @@ class LocalBackend:
 
     async def _spawn(self, model: str) -> None:
         worker_id = f"{model_token(model)[:48]}-{uuid.uuid4().hex[:8]}"
-        index = sum(len(ws) for ws in self.workers.values())
         path = self.logs_dir / f"worker-{model_token(model)[:48]}-{worker_id[-8:]}.log"
         log_file = open(path, "ab")  # kept open for the child's lifetime
         env = {**self.env, "TOLLGATE_WORKER_WORKER_ID": worker_id}
@@ -154,7 +153,7 @@ class LocalBackend:
         self.workers.setdefault(model, []).append(LocalWorker(worker_id, model, proc, log_file))
         log.info(
             "worker started",
-            extra={"worker_id": worker_id, "model": model, "pid": proc.pid, "n": index},
+            extra={"worker_id": worker_id, "model": model, "pid": proc.pid},
         )
 
     async def _converge(self, model: str) -> None:
