@@ -4,6 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.tollgate-installed
+S3TEST := $(VENV)/s3-server/bin/moto_server
 
 .PHONY: install run test lint bench clean
 
@@ -23,6 +24,13 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The S3-compatible server the tests and the benchmark fetch from (moto).
+# It lives in its own environment: moto needs botocore, which pins
+# python-dateutil below 3, and the Kubernetes client needs 3 or later.
+$(S3TEST):
+	$(PYTHON) -m venv $(VENV)/s3-server
+	$(VENV)/s3-server/bin/pip install -q --disable-pip-version-check "moto[server]==5.2.5"
+
 run: $(STAMP)
 	$(VENV)/bin/tollgate models prepare SmolLM2-135M-Instruct
 	$(VENV)/bin/tollgate up
@@ -33,10 +41,10 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: lint
+test: lint $(S3TEST)
 	$(VENV)/bin/pytest
 
-bench: $(STAMP)
+bench: $(STAMP) $(S3TEST)
 	$(PY) -m bench
 
 clean:

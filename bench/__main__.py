@@ -9,6 +9,8 @@
    at 1,000 events/s) and router latency with the metering service on vs off.
 4. Scaler: fixed-max vs reactive vs predictive over a simulated day, and the
    cold start of a model at zero workers vs its worker's own time-to-ready.
+5. Model registry: S3 fetch throughput vs ``cp`` of the same bytes, and a
+   worker's time-to-ready from ``s3://`` cold and warm, by part.
 
 Results go to docs/benchmarks.md (and bench/results/latest.json).
 """
@@ -285,7 +287,9 @@ def revocation_times(nats: str, work: Path, routers: list[str], quick: bool) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer requests per point")
-    parser.add_argument("--only", choices=["inference", "gateway", "metering", "scaler"])
+    parser.add_argument(
+        "--only", choices=["inference", "gateway", "metering", "scaler", "registry"]
+    )
     ns = parser.parse_args()
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -320,6 +324,10 @@ def main() -> None:
                 "cold_start": bench_cold_start(work, env, ns.quick),
                 "date": results["date"],
             }
+        if ns.only in (None, "registry"):
+            from bench.registry import bench_registry
+
+            results["registry"] = {**bench_registry(work, env, ns.quick), "date": results["date"]}
         if ns.only in (None, "inference"):
             results["inference"] = {
                 **bench_inference(work, env, ns.quick),

@@ -241,12 +241,65 @@ def _scaler(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _registry(r: dict[str, Any]) -> list[str]:
+    t = r["throughput"]
+    mib = t["bytes"] >> 20
+    lines = [
+        "## Model registry: fetching weights, and time-to-ready",
+        "",
+        f"Measured {r.get('date', '')}.",
+        "",
+        f"One {mib} MiB object (uploaded as a multipart object) on a local S3-compatible "
+        "server (moto, the tests' server, on loopback), fetched by Tollgate's S3 adapter "
+        "with 1 and 8 parallel ranged GETs of 64 MiB; side by side with `cp` of the same "
+        "bytes from disk and `curl` downloading the same object from the same server. "
+        "`prepare` is the whole cache path: fetch, the manifest (sha256 of every byte) "
+        "and the rename into the cache. Medians of three interleaved runs; the source "
+        "file is in the page cache throughout.",
+        "",
+        "| method | seconds | MB/s | vs cp | vs curl |",
+        "|---|---|---|---|---|",
+    ]
+    names = {
+        "cp": "`cp` (baseline)",
+        "curl": "`curl` from the server",
+        "tollgate_1": "Tollgate fetch, 1 stream",
+        "tollgate_8": "Tollgate fetch, 8 ranged streams",
+        "tollgate_prepare": "Tollgate prepare (8 streams + manifest)",
+    }
+    for key, label in names.items():
+        row = t[key]
+        lines.append(
+            f"| {label} | {row['seconds']:.2f} | {row['mb_per_s']:.0f} | "
+            f"{_ratio(row['mb_per_s'], t['cp']['mb_per_s'])} | "
+            f"{_ratio(row['mb_per_s'], t['curl']['mb_per_s'])} |"
+        )
+    lines += [
+        "",
+        "A vLLM worker serving SmolLM2-135M-Instruct from `s3://` (the packaged GGUF "
+        "uploaded to the same server): cold = empty cache (fetch the GGUF, convert it to "
+        "safetensors, load the engine, one warm-up request), warm = the same cache. "
+        "Parts as the worker reports them in its ready heartbeat; `process` is the "
+        "interpreter and imports before the worker's own code runs.",
+        "",
+        "| run | total (s) | process | fetch | convert | engine | warm-up |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in r["time_to_ready"]:
+        parts = [row.get(k, 0.0) for k in ("process", "fetch", "convert", "engine", "warmup")]
+        shown = " | ".join(f"{p:.2f}" for p in parts)
+        lines.append(f"| {row['run']} | {row['total_s']:.1f} | {shown} |")
+    lines.append("")
+    return lines
+
+
 def write_report(results: dict[str, Any], path: Path) -> None:
     lines = [
         "# Benchmarks",
         "",
         "Every figure below comes from `make bench` (`python -m bench`; `--only gateway`,",
-        "`--only inference`, `--only metering` or `--only scaler` reruns one part), with each",
+        "`--only inference`, `--only metering`, `--only scaler` or `--only registry` reruns",
+        "one part), with each",
         "system and its",
         "baseline measured side by side in the same run. Performance is never asserted in the",
         "test suite; it is measured here.",
@@ -263,4 +316,6 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         lines += _metering(results["metering"])
     if "scaler" in results:
         lines += _scaler(results["scaler"])
+    if "registry" in results:
+        lines += _registry(results["registry"])
     path.write_text("\n".join(lines))

@@ -21,13 +21,19 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.lib.s3_server import MotoServer
 from tollgate import bus, codec
 from tollgate.catalog import load_catalog
 from tollgate.contracts import WorkerHeartbeat, WorkerState
 from tollgate.keys import bootstrap
 from tollgate.modelprep import prepare_model
+from tollgate.sources import open_source
 from tollgate.subjects import Subjects
 from tollgate.supervisor import nats_server_binary
+
+# No call home from huggingface_hub in tests (its first request fetches a registry);
+# read when it is first imported, which none of the imports above does.
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 REAL_MODEL = "SmolLM2-135M-Instruct"
 SIM_MODEL = "sim/echo-1"  # simulated engine: a test double
@@ -179,6 +185,23 @@ def prepared_model(var_dir: Path) -> Path:
     return prepare_model(entry, var_dir / "cache" / "models")
 
 
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """A real S3-compatible server (moto) with credentials checked; see tests/lib/s3_server.py."""
+    server = MotoServer(tmp_path_factory.mktemp("s3"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The packaged SmolLM2 GGUF file."""
+    path = open_source(load_catalog().get(REAL_MODEL)).local_path()
+    assert path is not None
+    return path
+
+
 @dataclass
 class Service:
     name: str
@@ -212,8 +235,8 @@ class Stack:
             TOLLGATE_CATALOG=str(self.var_dir / "models.toml"),
             TOLLGATE_VAR_DIR=str(self.var_dir),
             VLLM_CPU_KVCACHE_SPACE="1",
-            **extra,
         )
+        env.update(extra)
         return env
 
     def spawn(self, name: str, argv: list[str], **env: str) -> Service:

@@ -92,6 +92,11 @@ class ModelEntry(BaseModel):
     max_model_len: int = Field(default=2048, ge=16)
     engine: Literal["vllm", "simulated"] = "vllm"
     engine_args: list[str] = Field(default_factory=list)
+    cache: Literal["keep", "none"] = Field(
+        default="keep",
+        description="keep: prepared weights stay in the shared cache; none: each worker "
+        "fetches into a private folder removed when it stops (stateless).",
+    )
     simulated: SimulatedEngineConfig | None = None
     prices: list[Price] = Field(default_factory=list, description="Billing prices over time.")
     scaling: ScalingPolicy = Field(default_factory=ScalingPolicy, description="Autoscaling.")

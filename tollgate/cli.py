@@ -52,88 +52,10 @@ def _up(ns: argparse.Namespace) -> int:
     return asyncio.run(stack.run(sys.stdout))
 
 
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1000:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{value:.1f} TB"
-
-
 def _models(ns: argparse.Namespace) -> int:
-    from tollgate.modelprep import (
-        EntryInUse,
-        ModelSourceError,
-        check_entry,
-        entries_for,
-        prepare_model,
-        remove_entry,
-    )
+    from tollgate.modelcli import run_models
 
-    common = CommonSettings()
-    catalog = load_catalog(common.catalog)
-    cache = common.model_cache_dir
-    try:
-        entries = [catalog.get(m) for m in ns.ids] if ns.ids else list(catalog.models.values())
-    except KeyError as exc:
-        print(f"error: {exc.args[0]}", file=sys.stderr)
-        return 1
-    if ns.action == "list":
-        for entry in entries:
-            found = entries_for(entry, cache)
-            if found:
-                state = ", ".join(
-                    f"cached {_size(c.size)}" + (" in use" if c.in_use else "") for c in found
-                )
-            else:
-                state = "not cached" if entry.source.endswith(".gguf") else "used in place"
-            aliases = f" (aliases: {', '.join(entry.aliases)})" if entry.aliases else ""
-            print(f"{entry.id}\t{entry.engine}\t{state}\t{entry.source}{aliases}")
-        return 0
-    if ns.action in ("prepare", "pull"):
-        for entry in entries:
-            timings: dict[str, float] = {}
-            try:
-                path = prepare_model(
-                    entry, cache, budget_bytes=common.model_cache_budget, timings=timings
-                )
-            except ModelSourceError as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                return 1
-            took = f" (converted in {timings['convert']:.1f} s)" if "convert" in timings else ""
-            print(f"{entry.id}: {path}{took}")
-        return 0
-    if ns.action == "rm":
-        status = 0
-        for entry in entries:
-            for cached in entries_for(entry, cache):
-                try:
-                    remove_entry(cached.path)
-                    print(f"{entry.id}: removed {cached.path.name} ({_size(cached.size)})")
-                except EntryInUse as exc:
-                    print(f"error: {entry.id}: {exc}", file=sys.stderr)
-                    status = 1
-        return status
-    # verify: every file's size and sha256 against the entry's manifest
-    status = 0
-    for entry in entries:
-        for cached in entries_for(entry, cache):
-            problems = check_entry(cached.path, full=True)
-            if not problems:
-                print(f"{entry.id}: {cached.path.name} ok ({_size(cached.size)})")
-                continue
-            status = 1
-            print(f"{entry.id}: {cached.path.name} CORRUPT: {'; '.join(problems[:5])}")
-            if ns.fix:
-                try:
-                    remove_entry(cached.path)
-                    prepare_model(entry, cache, budget_bytes=common.model_cache_budget)
-                    print(f"{entry.id}: prepared again")
-                    status = 0 if status == 1 else status
-                except (EntryInUse, ModelSourceError) as exc:
-                    print(f"error: {entry.id}: {exc}", file=sys.stderr)
-    return status
+    return run_models(ns.action, ns.ids, fix=ns.fix)
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, "y": 365 * 86400}

@@ -124,6 +124,10 @@ class WorkerHeartbeat(_Contract):
     startup_s: float | None = Field(
         default=None, description="Once ready: seconds from the process start to ready."
     )
+    startup_parts: dict[str, float] | None = Field(
+        default=None,
+        description="Once ready: startup_s by part (process, fetch, convert, engine, warmup).",
+    )
 
 
 class UsageEvent(_Contract):

@@ -1,11 +1,13 @@
 """Model preparation and the local model cache.
 
-Sources: ``package://<python-package>/<file>`` (a file shipped inside an
-installed package) and ``file:///path`` (a safetensors folder or a ``.gguf``
-file). A folder is used where it is. A GGUF file is converted once to a
-safetensors folder in the cache: written to a temporary folder, given a
-manifest (every file's size and sha256), then renamed in, under a file lock
-so that concurrent workers convert it only once.
+A model's weights come from its source (``tollgate.sources``): local
+folders are used where they are; remote sources (``s3://``, ``hf://``) are
+fetched into the cache, keyed by source and exact revision; a GGUF file,
+local or fetched, is converted once to a safetensors folder, cached as its
+own entry. Every entry is built in a temporary folder, given a manifest
+(every file's size and sha256) and renamed in, under a file lock, so that
+concurrent workers on one host do the work once and a failure leaves no
+half-written entry.
 
 The cache checks an entry against its manifest before use (sizes on every
 use; sizes and hashes with ``tollgate models verify``) and prepares a corrupt
@@ -19,21 +21,32 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib.util
 import json
 import logging
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
-from urllib.parse import urlparse
 
 from tollgate.catalog import ModelEntry
+from tollgate.sources import (
+    FetchOptions,
+    FolderWatch,
+    ModelSourceError,
+    ProgressFn,
+    Source,
+    SourceOffline,
+    SourceUnreachable,
+    no_progress,
+    open_source,
+)
 from tollgate.subjects import model_token
+
+__all__ = ["EntryInUse", "ModelSourceError", "prepare_model"]
 
 log = logging.getLogger("tollgate.modelprep")
 
@@ -45,38 +58,9 @@ class EntryInUse(Exception):
     """A cache entry that a running worker holds cannot be removed."""
 
 
-class ModelSourceError(Exception):
-    """The source of a model cannot be resolved or prepared."""
-
-
-def resolve_source(entry: ModelEntry) -> Path:
-    """The local path a source points at (before any conversion)."""
-    uri = urlparse(entry.source)
-    if uri.scheme == "package":
-        spec = importlib.util.find_spec(uri.netloc)
-        # find_spec does not import the package, so a package whose
-        # __init__ needs other software still serves as a file carrier.
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelSourceError(
-                f"model {entry.id!r}: package {uri.netloc!r} of source {entry.source!r} "
-                "is not installed"
-            )
-        path = Path(next(iter(spec.submodule_search_locations))) / uri.path.lstrip("/")
-    elif uri.scheme == "file":
-        path = Path(uri.path)
-    else:
-        raise ModelSourceError(
-            f"model {entry.id!r}: source scheme {uri.scheme!r} of {entry.source!r} is not supported"
-        )
-    if not path.exists():
-        raise ModelSourceError(f"model {entry.id!r}: {entry.source!r} does not exist")
-    return path
-
-
-def _cache_key(entry: ModelEntry, path: Path) -> str:
-    stat = path.stat()
-    digest = hashlib.sha256(f"{entry.source}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    return f"{model_token(path.stem)}-{digest.hexdigest()[:12]}"
+def _cache_key(name: str, identity: str) -> str:
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    return f"{model_token(Path(name).stem)}-{digest}"
 
 
 @contextlib.contextmanager
@@ -98,14 +82,22 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(folder: Path, source: str) -> dict[str, object]:
-    """Record every file's size and sha256 (the entry is complete once this exists)."""
+def write_manifest(folder: Path, source: str, **about: str) -> dict[str, object]:
+    """Record every file's size and sha256 (the entry is complete once this exists).
+
+    ``about`` adds what the entry is: ``kind`` (fetched, converted) and ``revision``.
+    """
     files = {
         str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name not in (MANIFEST, _USED)
     }
-    manifest: dict[str, object] = {"source": source, "created_at": time.time(), "files": files}
+    manifest: dict[str, object] = {
+        "source": source,
+        **about,
+        "created_at": time.time(),
+        "files": files,
+    }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -135,6 +127,8 @@ class CacheEntry:
     size: int
     last_used: float
     in_use: bool
+    kind: str = "converted"
+    revision: str = ""
 
 
 def _lease_path(folder: Path) -> Path:
@@ -185,6 +179,8 @@ def cache_entries(cache_dir: Path) -> list[CacheEntry]:
                 size=sum(int(f["size"]) for f in manifest["files"].values()),
                 last_used=used.stat().st_mtime if used.exists() else manifest_path.stat().st_mtime,
                 in_use=_in_use(folder),
+                kind=str(manifest.get("kind", "converted")),
+                revision=str(manifest.get("revision", "")),
             )
         )
     return sorted(entries, key=lambda e: e.last_used)
@@ -228,19 +224,109 @@ def prepare_model(
     entry: ModelEntry,
     cache_dir: Path,
     *,
+    options: FetchOptions | None = None,
     budget_bytes: int | None = None,
     timings: dict[str, float] | None = None,
+    progress: ProgressFn = no_progress,
 ) -> Path:
-    """Return a folder with safetensors weights and tokenizer for ``entry``."""
-    path = resolve_source(entry)
-    if path.is_dir():
-        return path
-    if path.suffix != ".gguf":
-        raise ModelSourceError(f"model {entry.id!r}: {path.name} is not a folder or .gguf")
-    target = cache_dir / _cache_key(entry, path)
+    """Return a folder with safetensors weights and tokenizer for ``entry``.
+
+    ``timings`` receives the seconds spent on ``fetch`` and ``convert`` (work
+    actually done; a cache hit adds nothing); ``progress`` gets bytes as they
+    arrive.
+    """
+    timings = timings if timings is not None else {}
+    source = open_source(entry, options)
+    local = source.local_path()
+    held: IO[str] | None = None
+    if local is not None:
+        if local.is_dir():
+            return local
+        gguf = local
+        stat = local.stat()
+        key = _cache_key(local.name, f"{entry.source}|{stat.st_size}|{stat.st_mtime_ns}")
+    else:
+        fetched = _fetched_entry(source, cache_dir, timings, progress)
+        ggufs = sorted(p for p in fetched.iterdir() if p.suffix == ".gguf")
+        if not ggufs:
+            return _finish(fetched, cache_dir, budget_bytes)
+        if len(ggufs) > 1:
+            raise source.error(
+                f"holds {len(ggufs)} .gguf files; name one in the source (…/{ggufs[0].name})"
+            )
+        gguf = ggufs[0]
+        key = f"{fetched.name}-safetensors"
+        # the fetched GGUF stays while it is converted, whatever else evicts
+        held = hold_entry(fetched)
+    try:
+        target = _build_entry(
+            cache_dir / key,
+            source,
+            "convert",
+            lambda tmp: _convert_gguf(gguf, tmp, progress),
+            timings,
+        )
+    finally:
+        if held is not None:
+            held.close()
+    return _finish(target, cache_dir, budget_bytes)
+
+
+def _fetched_entry(
+    source: Source, cache_dir: Path, timings: dict[str, float], progress: ProgressFn
+) -> Path:
+    """The cache entry holding the remote files of the source's current revision."""
+    try:
+        snapshot = source.snapshot()
+    except SourceUnreachable as exc:
+        cached = _newest_cached(source, cache_dir)
+        if cached is None:
+            raise
+        if not isinstance(exc, SourceOffline):
+            log.warning(
+                "model source unreachable; using the cached copy",
+                extra={"model": source.entry.id, "entry": cached.name, "error": str(exc)},
+            )
+        return cached
+    return _build_entry(
+        cache_dir / _cache_key(source.name, f"{source.uri}|{snapshot.revision}"),
+        source,
+        "fetch",
+        lambda tmp: source.fetch(snapshot, tmp, progress),
+        timings,
+        revision=snapshot.revision,
+    )
+
+
+def _newest_cached(source: Source, cache_dir: Path) -> Path | None:
+    """The newest complete fetched entry of this source (the pinned revision, if any)."""
+    pinned = getattr(source, "pinned", None)
+    found = [
+        e
+        for e in cache_entries(cache_dir)
+        if e.source == source.uri
+        and e.kind == "fetched"
+        and (pinned is None or e.revision == pinned)
+        and not check_entry(e.path)
+    ]
+    if not found:
+        return None
+    return max(found, key=lambda e: (e.path / MANIFEST).stat().st_mtime).path
+
+
+def _build_entry(
+    target: Path,
+    source: Source,
+    part: str,
+    build: Callable[[Path], None],
+    timings: dict[str, float],
+    revision: str = "",
+) -> Path:
+    """An entry, built once: in a temporary folder, given a manifest, then renamed in."""
     if not check_entry(target):
         _touch(target)
         return target
+    cache_dir = target.parent
     with _locked(cache_dir / f"{target.name}.lock"):
         problems = check_entry(target)
         if not problems:  # another process finished it meanwhile
@@ -249,23 +335,40 @@ def prepare_model(
         if target.exists():
             log.warning(
                 "cached model is incomplete or corrupt; preparing it again",
-                extra={"model": entry.id, "problems": problems[:5]},
+                extra={"model": source.entry.id, "problems": problems[:5]},
             )
+        for stale in cache_dir.glob(f".tmp-{target.name}-*"):  # left by a killed process
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = cache_dir / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
         started = time.monotonic()
         try:
-            _convert_gguf(path, tmp)
-            write_manifest(tmp, entry.source)
+            tmp.mkdir(parents=True)
+            build(tmp)
+            kind = "fetched" if part == "fetch" else "converted"
+            about = {"kind": kind, "revision": revision} if revision else {"kind": kind}
+            write_manifest(tmp, source.uri, **about)
             if target.exists():
                 shutil.rmtree(target)
             os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        seconds = round(time.monotonic() - started, 2)
-        if timings is not None:
-            timings["convert"] = seconds
-        log.info("prepared model", extra={"model": entry.id, "seconds": seconds})
+        seconds = round(time.monotonic() - started, 3)
+        timings[part] = round(timings.get(part, 0.0) + seconds, 3)
+        size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+        log.info(
+            f"model {kind}",
+            extra={
+                "model": source.entry.id,
+                "entry": target.name,
+                "bytes": size,
+                "seconds": seconds,
+            },
+        )
         _touch(target)
+    return target
+
+
+def _finish(target: Path, cache_dir: Path, budget_bytes: int | None) -> Path:
     if budget_bytes:
         evict(cache_dir, budget_bytes, keep=target)
     return target
@@ -281,19 +384,23 @@ def _touch(folder: Path) -> None:
         (folder / _USED).touch()
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+def _convert_gguf(gguf: Path, out: Path, progress: ProgressFn = no_progress) -> None:
     """De-quantise a GGUF checkpoint into a bfloat16 safetensors folder."""
     import torch
+    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
-    )
-    # The GGUF quantizer cannot serialise; the de-quantised weights are plain.
-    setattr(model, "hf_quantizer", None)  # noqa: B010 - typed as a module by torch
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    out.mkdir(parents=True)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
+    # bfloat16 output: two bytes per weight (the progress total)
+    expected = 2 * sum(int(t.n_elements) for t in GGUFReader(gguf).tensors)
+    with FolderWatch(out, expected, progress, phase="convert"):
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
+        )
+        # The GGUF quantizer cannot serialise; the de-quantised weights are plain.
+        setattr(model, "hf_quantizer", None)  # noqa: B010 - typed as a module by torch
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))

@@ -6,35 +6,73 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 from aiohttp import web
 
 from services.worker.consumer import WorkerConsumer
-from services.worker.engine import Engine
+from services.worker.engine import Engine, ErrorResult
 from services.worker.metrics import WorkerMetrics, create_http_app
 from services.worker.settings import WorkerSettings
 from tollgate import bus
 from tollgate.catalog import ModelEntry, load_catalog
+from tollgate.contracts import Endpoint
 from tollgate.modelprep import hold_entry, prepare_model
 from tollgate.settings import CommonSettings
+from tollgate.sources import FetchOptions
 
 log = logging.getLogger("tollgate.worker")
 
 
+class ProgressLog:
+    """Log a model download or conversion every ``every_s`` seconds (bytes, rate, ETA)."""
+
+    def __init__(self, model: str, every_s: float = 10.0) -> None:
+        self.model = model
+        self.every_s = every_s
+        self._phase = ""
+        self._started = self._logged = 0.0
+
+    def __call__(self, phase: str, done: int, total: int | None) -> None:
+        now = time.monotonic()
+        if phase != self._phase:
+            self._phase, self._started, self._logged = phase, now, now
+            return
+        if now - self._logged < self.every_s and done != total:
+            return
+        self._logged = now
+        rate = done / max(now - self._started, 1e-6)
+        extra: dict[str, object] = {"model": self.model, "phase": phase, "bytes": done}
+        extra["mb_per_s"] = round(rate / 1e6, 1)
+        if total:
+            extra["total_bytes"] = total
+            extra["eta_s"] = round(max(total - done, 0) / rate, 1) if rate else None
+        log.info("preparing model", extra=extra)
+
+
 def create_engine(
-    entry: ModelEntry, common: CommonSettings, parts: dict[str, float] | None = None
+    entry: ModelEntry,
+    common: CommonSettings,
+    parts: dict[str, float] | None = None,
+    cache_dir: Path | None = None,
 ) -> Engine:
-    started = time.monotonic()
+    """Prepare the weights (fetch, convert) and build the engine (not started yet)."""
     timings: dict[str, float] = {}
     model_path = prepare_model(
-        entry, common.model_cache_dir, budget_bytes=common.model_cache_budget, timings=timings
+        entry,
+        cache_dir or common.model_cache_dir,
+        options=FetchOptions.from_settings(common),
+        budget_bytes=common.model_cache_budget,
+        timings=timings,
+        progress=ProgressLog(entry.id),
     )
     if parts is not None:
-        convert = timings.get("convert", 0.0)
-        parts["fetch"] = round(max(0.0, time.monotonic() - started - convert), 3)
-        parts["convert"] = convert
+        parts["fetch"] = timings.get("fetch", 0.0)
+        parts["convert"] = timings.get("convert", 0.0)
     if entry.engine == "simulated":
         from services.worker.simulated import SimulatedEngine
 
@@ -42,6 +80,14 @@ def create_engine(
     from services.worker.vllm_engine import VllmEngine
 
     return VllmEngine(entry, model_path)
+
+
+async def warm_up(engine: Engine, entry: ModelEntry) -> None:
+    """One short completion before taking requests, so no caller pays for the first one."""
+    body = {"model": entry.id, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    result = await engine.run(Endpoint.COMPLETIONS, body, f"warmup-{os.getpid()}")
+    if isinstance(result, ErrorResult):
+        log.warning("warm-up request failed", extra={"status": result.status})
 
 
 def process_age_s() -> float | None:
@@ -68,7 +114,18 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     age = process_age_s()
     born = started - (age if age is not None else 0.0)
     parts: dict[str, float] = {"process": round(started - born, 3)}  # interpreter + imports
-    engine = create_engine(entry, common, parts)
+    # Stateless mode: a private cache folder, fetched on every start and removed at exit.
+    private = None
+    if entry.cache == "none":
+        common.model_cache_dir.mkdir(parents=True, exist_ok=True)
+        private = Path(tempfile.mkdtemp(prefix=".worker-", dir=common.model_cache_dir))
+    # In a thread: a long download must not stall NATS pings and heartbeats.
+    try:
+        engine = await asyncio.to_thread(create_engine, entry, common, parts, private)
+    except BaseException:
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
+        raise
     # the cached weights stay ours while we run: eviction and `models rm` skip them
     lease = hold_entry(engine.model_path)
     metrics = WorkerMetrics()
@@ -91,6 +148,9 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
         engine_started = time.monotonic()
         await engine.start()
         parts["engine"] = round(time.monotonic() - engine_started, 3)
+        warm_started = time.monotonic()
+        await warm_up(engine, entry)
+        parts["warmup"] = round(time.monotonic() - warm_started, 3)
         log.info(
             "engine ready",
             extra={
@@ -115,4 +175,6 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
             await http.cleanup()
         if lease is not None:
             lease.close()
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
         log.info("worker stopped")

@@ -89,7 +89,8 @@ class WorkerConsumer:
         self.model_id = model_id
         self.state = WorkerState.STARTING
         self.startup_s: float | None = None  # process start to ready, set once ready
-        # its parts: process (interpreter, imports), fetch and convert (weights), engine
+        # its parts: process (interpreter, imports), fetch and convert (weights),
+        # engine (load), warmup (a first short request)
         self.startup_parts: dict[str, float] = {}
         self.inflight: dict[str, asyncio.Task[None]] = {}
         # Requests still in the engine: only these may be cancelled, so a late
@@ -121,7 +122,15 @@ class WorkerConsumer:
         self.state = WorkerState.READY
         await self._send_heartbeat()
         self._tasks.append(asyncio.create_task(self._pull_loop(), name="pull"))
-        log.info("worker ready", extra={"worker_id": self.worker_id, "model": self.model_id})
+        log.info(
+            "worker ready",
+            extra={
+                "worker_id": self.worker_id,
+                "model": self.model_id,
+                "startup_s": self.startup_s,
+                "startup_parts": self.startup_parts,
+            },
+        )
 
     async def drain(self) -> None:
         """Stop fetching, let in-flight requests finish (bounded), then stop beating."""
@@ -171,6 +180,7 @@ class WorkerConsumer:
             interval_s=self.settings.heartbeat_interval_s,
             sent_at=time.time(),
             startup_s=self.startup_s,
+            startup_parts=self.startup_parts or None,
         )
         with contextlib.suppress(Exception):  # a beat lost to a reconnect is not fatal
             await self.nc.publish(self.subjects.heartbeat(self.model_id), codec.encode(beat))

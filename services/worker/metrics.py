@@ -74,7 +74,7 @@ class _LoadCollector(Collector):
         yield gauge("tollgate_worker_startup_seconds", "Process start to ready.", c.startup_s)
         parts = GaugeMetricFamily(
             "tollgate_worker_startup_part_seconds",
-            "Time-to-ready by part: process (interpreter, imports), fetch, convert, engine.",
+            "Time-to-ready by part: process, fetch, convert, engine, warmup.",
             labels=["model", "part"],
         )
         for part, seconds in c.startup_parts.items():

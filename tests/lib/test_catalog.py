@@ -3,7 +3,8 @@ from pathlib import Path
 import pytest
 
 from tollgate.catalog import load_catalog
-from tollgate.modelprep import ModelSourceError, prepare_model, resolve_source
+from tollgate.modelprep import ModelSourceError, prepare_model
+from tollgate.sources import open_source
 
 
 def test_packaged_catalog_has_the_default_model() -> None:
@@ -32,7 +33,7 @@ def test_simulated_entry_gets_default_behaviour(tmp_path: Path) -> None:
 
 def test_package_source_resolves_without_importing_the_package() -> None:
     entry = load_catalog().get("SmolLM2-135M-Instruct")
-    assert resolve_source(entry).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert open_source(entry).local_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.mark.parametrize(
@@ -55,3 +56,15 @@ def test_prepared_model_is_reused(prepared_model: Path, var_dir: Path) -> None:
     assert again == prepared_model and again.stat().st_mtime_ns == before
     assert (again / "model.safetensors").exists() and (again / "tokenizer.json").exists()
     assert not list((var_dir / "cache" / "models").glob(".tmp-*"))
+
+
+def test_a_local_folder_is_used_where_it_is(tmp_path: Path) -> None:
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    path = tmp_path / "m.toml"
+    path.write_text(f'[models.local]\nsource = "file://{folder}"\n')
+    entry = load_catalog(path).get("local")
+    timings: dict[str, float] = {}
+    assert prepare_model(entry, tmp_path / "cache", timings=timings) == folder
+    assert timings == {} and not (tmp_path / "cache").exists(), "nothing copied"

@@ -102,7 +102,7 @@ def cli(var_dir: Path, cache: Path, *args: str) -> subprocess.CompletedProcess[s
 @pytest.mark.timeout(300)
 def test_cli_lists_verifies_repairs_and_removes(var_dir: Path, cache: Path) -> None:
     listed = cli(var_dir, cache, "list", REAL)
-    assert listed.returncode == 0 and "cached " in listed.stdout and "MB" in listed.stdout
+    assert listed.returncode == 0 and "converted " in listed.stdout and "MB" in listed.stdout
     assert cli(var_dir, cache, "verify", REAL).returncode == 0
     [folder] = [p for p in cache.iterdir() if p.is_dir()]
     weights = folder / "model.safetensors"
@@ -153,7 +153,8 @@ def test_two_processes_pulling_one_model_prepare_it_once(var_dir: Path, tmp_path
     ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
-    assert sum("converted in" in out for out in outputs) == 1, outputs
+    assert sum("(convert " in out for out in outputs) == 1, outputs
+    assert sum("(cached)" in out for out in outputs) == 1, outputs
     paths = {out.split(": ", 1)[1].split(" (")[0].strip() for out in outputs}
     assert len(paths) == 1, "both got the same entry"
     assert len([p for p in empty.iterdir() if p.is_dir()]) == 1

@@ -57,7 +57,7 @@ async def test_worker_metrics_count_what_it_served(
     total = got[("tollgate_worker_startup_seconds", m)]
     parts = {
         part: got[("tollgate_worker_startup_part_seconds", (*m, ("part", part)))]
-        for part in ("process", "fetch", "convert", "engine")
+        for part in ("process", "fetch", "convert", "engine", "warmup")
     }
     assert total > 0 and all(v >= 0 for v in parts.values())
     assert sum(parts.values()) <= total + 0.01, "the parts fit in the whole time-to-ready"
