@@ -44,7 +44,12 @@ lint: $(STAMP)
 test: lint $(S3TEST)
 	$(VENV)/bin/pytest
 
-bench: $(STAMP) $(S3TEST)
+# s3rver (Node.js): the S3 server the fetch benchmark reads from (docs/benchmarks.md)
+S3BENCH := $(VENV)/s3rver/node_modules/.bin/s3rver
+$(S3BENCH):
+	npm install --prefix $(VENV)/s3rver --silent --no-audit --no-fund s3rver@3.7.1
+
+bench: $(STAMP) $(S3TEST) $(S3BENCH)
 	$(PY) -m bench
 
 clean:

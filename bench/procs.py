@@ -75,6 +75,15 @@ def wait_http(url: str, timeout: float = 600) -> None:
     raise TimeoutError(url)
 
 
+def wait_port(port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"port {port}")
+
+
 def start_nats(procs: Procs) -> str:
     port = free_port()
     store = procs.workdir / "nats"

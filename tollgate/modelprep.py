@@ -30,11 +30,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from tollgate.catalog import ModelEntry
 from tollgate.sources import (
     FetchOptions,
+    FileDigests,
     FolderWatch,
     ModelSourceError,
     ProgressFn,
@@ -82,16 +83,34 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(folder: Path, source: str, **about: str) -> dict[str, object]:
+def _part_sha256(path: Path, part_bytes: int) -> list[str]:
+    digests = []
+    with open(path, "rb") as fh:
+        while part := fh.read(part_bytes):
+            digests.append(hashlib.sha256(part).hexdigest())
+    return digests
+
+
+def write_manifest(
+    folder: Path, source: str, known: FileDigests | None = None, **about: str
+) -> dict[str, object]:
     """Record every file's size and sha256 (the entry is complete once this exists).
 
-    ``about`` adds what the entry is: ``kind`` (fetched, converted) and ``revision``.
+    Files in ``known`` keep the digests their fetch computed (sha256 per part
+    of ``part_bytes``); the others are hashed whole here. ``about`` adds what
+    the entry is: ``kind`` (fetched, converted) and ``revision``.
     """
-    files = {
-        str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name not in (MANIFEST, _USED)
-    }
+    known = known or {}
+    files: dict[str, dict[str, object]] = {}
+    for p in sorted(folder.rglob("*")):
+        if not p.is_file() or p.name in (MANIFEST, _USED):
+            continue
+        name, size = str(p.relative_to(folder)), p.stat().st_size
+        given = known.get(name)
+        if given is not None and given.get("size") == size:
+            files[name] = dict(given)
+        else:
+            files[name] = {"size": size, "sha256": _sha256(p)}
     manifest: dict[str, object] = {
         "source": source,
         **about,
@@ -115,9 +134,15 @@ def check_entry(folder: Path, full: bool = False) -> list[str]:
             problems.append(f"{name}: missing")
         elif path.stat().st_size != meta["size"]:
             problems.append(f"{name}: {path.stat().st_size} bytes, expected {meta['size']}")
-        elif full and _sha256(path) != meta["sha256"]:
+        elif full and not _same_bytes(path, meta):
             problems.append(f"{name}: sha256 differs from the manifest")
     return problems
+
+
+def _same_bytes(path: Path, meta: dict[str, Any]) -> bool:
+    if "part_sha256" in meta:
+        return bool(_part_sha256(path, int(meta["part_bytes"])) == meta["part_sha256"])
+    return bool(_sha256(path) == meta["sha256"])
 
 
 @dataclass
@@ -318,7 +343,7 @@ def _build_entry(
     target: Path,
     source: Source,
     part: str,
-    build: Callable[[Path], None],
+    build: Callable[[Path], FileDigests | None],
     timings: dict[str, float],
     revision: str = "",
 ) -> Path:
@@ -343,10 +368,10 @@ def _build_entry(
         started = time.monotonic()
         try:
             tmp.mkdir(parents=True)
-            build(tmp)
+            known = build(tmp)
             kind = "fetched" if part == "fetch" else "converted"
             about = {"kind": kind, "revision": revision} if revision else {"kind": kind}
-            write_manifest(tmp, source.uri, **about)
+            write_manifest(tmp, source.uri, known, **about)
             if target.exists():
                 shutil.rmtree(target)
             os.rename(tmp, target)

@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 # phase ("fetch", "convert"), bytes done, bytes in all (None: not known)
 ProgressFn = Callable[[str, int, "int | None"], None]
+# file name -> manifest record of digests computed while fetching (so the cache
+# need not read the bytes a second time): {"size", "part_bytes", "part_sha256"}
+FileDigests = dict[str, dict[str, Any]]
 
 
 def no_progress(phase: str, done: int, total: int | None) -> None:
@@ -135,8 +138,12 @@ class Source(ABC):
         """The current revision and its files (asks the remote side)."""
 
     @abstractmethod
-    def fetch(self, snapshot: Snapshot, dest: Path, progress: ProgressFn) -> None:
-        """Write every file of ``snapshot`` under ``dest`` (an empty folder)."""
+    def fetch(self, snapshot: Snapshot, dest: Path, progress: ProgressFn) -> FileDigests:
+        """Write every file of ``snapshot`` under ``dest`` (an empty folder).
+
+        Returns the digests it computed on the way (any files it has none for
+        are hashed by the cache afterwards).
+        """
 
     @property
     def name(self) -> str:
@@ -158,7 +165,7 @@ class LocalSource(Source):
         stat = self.local_path().stat()
         return Snapshot(revision=f"{stat.st_size}-{stat.st_mtime_ns}")
 
-    def fetch(self, snapshot: Snapshot, dest: Path, progress: ProgressFn) -> None:
+    def fetch(self, snapshot: Snapshot, dest: Path, progress: ProgressFn) -> FileDigests:
         raise self.error("a local source is used in place")
 
 
@@ -298,7 +305,7 @@ class S3Source(Source):
         listing = "\n".join(f"{f.key} {f.etag} {f.size}" for f in files)
         return Snapshot(revision=hashlib.sha256(listing.encode()).hexdigest()[:16], files=files)
 
-    def fetch(self, snapshot: Snapshot, dest: Path, progress: ProgressFn) -> None:
+    def fetch(self, snapshot: Snapshot, dest: Path, progress: ProgressFn) -> FileDigests:
         counter = _ByteCounter(snapshot.size, progress)
         abort = threading.Event()
         fds: list[int] = []
@@ -314,7 +321,7 @@ class S3Source(Source):
                     end = min(start + self.options.part_bytes, remote.size)
                     jobs.append((remote, fd, start, end))
             with ThreadPoolExecutor(self.options.concurrency, "s3-fetch") as pool:
-                futures: list[Future[None]] = [
+                futures: list[Future[str]] = [
                     pool.submit(self._fetch_range, remote, fd, start, end, counter, abort)
                     for remote, fd, start, end in jobs
                 ]
@@ -331,6 +338,14 @@ class S3Source(Source):
             for fd in fds:
                 os.close(fd)
         counter.finish()
+        # each part hashed as it arrived, in its own thread: no second read
+        digests: FileDigests = {
+            r.name: {"size": r.size, "part_bytes": self.options.part_bytes, "part_sha256": []}
+            for r in snapshot.files
+        }
+        for (remote, _fd, _start, _end), future in zip(jobs, futures, strict=True):
+            digests[remote.name]["part_sha256"].append(future.result())
+        return digests
 
     def _fetch_range(
         self,
@@ -340,13 +355,15 @@ class S3Source(Source):
         end: int,
         counter: _ByteCounter,
         abort: threading.Event,
-    ) -> None:
+    ) -> str:
+        """Write bytes ``start..end`` of one object at their offset; their sha256."""
         from minio.error import S3Error
 
         buffer = getattr(self._local, "buffer", None)
         if buffer is None:
             buffer = self._local.buffer = memoryview(bytearray(1 << 20))
         pos = start
+        digest = hashlib.sha256()
         for attempt in range(1, self.options.attempts + 1):
             response = None
             try:
@@ -363,14 +380,15 @@ class S3Source(Source):
                     if not n:
                         raise ConnectionError(f"{remote.key}: body ended at byte {pos} of {end}")
                     os.pwrite(fd, buffer[:n], pos)
+                    digest.update(buffer[:n])
                     pos += n
                     counter.add(n)
-                return
+                return digest.hexdigest()
             except S3Error:
                 raise
             except Exception as exc:  # a cut connection: resume where the bytes stopped
                 if abort.is_set():
-                    return
+                    return ""
                 if attempt == self.options.attempts:
                     raise ConnectionError(
                         f"{remote.key}: connection lost {attempt} times, last at byte {pos} "
@@ -381,6 +399,7 @@ class S3Source(Source):
                 if response is not None:
                     response.close()
                     response.release_conn()
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 class _ByteCounter:
@@ -497,7 +516,7 @@ class HuggingFaceSource(Source):
         files = [RemoteFile(Path(n).name if self.file else n, siblings[n], n) for n in names]
         return Snapshot(revision=str(info.sha), files=files)
 
-    def fetch(self, snapshot: Snapshot, dest: Path, progress: ProgressFn) -> None:
+    def fetch(self, snapshot: Snapshot, dest: Path, progress: ProgressFn) -> FileDigests:
         from huggingface_hub import snapshot_download
         from huggingface_hub.utils.tqdm import disable_progress_bars
 
@@ -523,6 +542,7 @@ class HuggingFaceSource(Source):
             path = dest / remote.name
             if not path.is_file() or path.stat().st_size != remote.size:
                 raise self.error(f"{remote.key}: downloaded size differs from the hub's listing")
+        return {}
 
 
 class FolderWatch:

@@ -148,12 +148,17 @@ class CuttingProxy:
     """A TCP proxy that drops connections mid-response, like a flaky network.
 
     A connection is closed once ``after_bytes`` of response have gone through
-    it, ``cuts`` times in all (every time with ``cuts=-1``).
+    it, ``cuts`` times in all (every time with ``cuts=-1``). With
+    ``bytes_per_s`` each connection's responses are also held to that rate,
+    as an object store holds each connection to its own bandwidth.
     """
 
-    def __init__(self, target_port: int, after_bytes: int, cuts: int) -> None:
+    def __init__(
+        self, target_port: int, after_bytes: int = 0, cuts: int = 0, bytes_per_s: float = 0
+    ) -> None:
         self.target_port = target_port
         self.after_bytes = after_bytes
+        self.bytes_per_s = bytes_per_s
         self.cuts_left = cuts
         self.cut = 0  # connections cut so far
         self._lock = threading.Lock()
@@ -186,9 +191,14 @@ class CuttingProxy:
 
     def _pump(self, src: socket.socket, dst: socket.socket, responses: bool) -> None:
         sent = 0
-        limit = self.after_bytes if responses else None
+        limit = self.after_bytes if responses and self.cuts_left != 0 else None
+        due = 0.0  # when the bytes sent so far may have arrived at the set rate
         try:
             while data := src.recv(65536):
+                if responses and self.bytes_per_s:
+                    now = time.monotonic()
+                    due = max(due, now) + len(data) / self.bytes_per_s  # idle earns no credit
+                    time.sleep(max(0.0, due - now - len(data) / self.bytes_per_s))
                 if limit is not None and sent + len(data) > limit:
                     if self._should_cut():
                         dst.sendall(data[: limit - sent])
