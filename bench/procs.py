@@ -15,17 +15,11 @@ from pathlib import Path
 
 import httpx
 
+from tests.lib.net import free_port, wait_for_port  # noqa: F401 - part of this module's API
 from tollgate import bus, codec
 from tollgate.contracts import WorkerHeartbeat, WorkerState
 from tollgate.keys import bootstrap
 from tollgate.supervisor import nats_server_binary
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class Procs:
@@ -73,15 +67,6 @@ def wait_http(url: str, timeout: float = 600) -> None:
                 return
         time.sleep(0.2)
     raise TimeoutError(url)
-
-
-def wait_port(port: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"port {port}")
 
 
 def start_nats(procs: Procs) -> str:

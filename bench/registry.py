@@ -55,7 +55,7 @@ class S3rver:
             raise RuntimeError(f"{S3RVER} is missing: run `make bench` (it installs it)")
         argv = [str(S3RVER), "-d", str(data), "-a", "127.0.0.1", "-p", str(self.port), "-s"]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        P.wait_port(self.port)
+        P.wait_for_port(self.port, 30)
 
     def put_file(self, bucket: str, key: str, path: Path, part_mb: int = 64) -> None:
         from minio import Minio

@@ -25,18 +25,14 @@ from typing import Any
 
 import httpx
 
+from tests.lib.net import free_port, wait_for_port
+
 ROOT = Path(__file__).resolve().parents[2]
 MOTO_SERVER = Path(
     os.environ.get(
         "TOLLGATE_TEST_MOTO_SERVER", ROOT / ".venv" / "s3-server" / "bin" / "moto_server"
     )
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class MotoServer:
@@ -64,17 +60,12 @@ class MotoServer:
             stderr=subprocess.STDOUT,
             env=env,
         )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"moto did not start: {(self.workdir / 'moto.log').read_text()}"
-                    ) from None
-                time.sleep(0.1)
+        try:
+            wait_for_port(self.port, 30)
+        except TimeoutError:
+            log.close()
+            moto_log = (self.workdir / "moto.log").read_text()
+            raise RuntimeError(f"moto did not start: {moto_log}") from None
         self._create_user()
 
     def _iam(self, **params: str) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.lib.hub_mirror import HubMirror
-from tests.lib.s3_server import free_port
+from tests.lib.net import free_port
 from tollgate.catalog import ModelEntry
 from tollgate.modelprep import MANIFEST, cache_entries, check_entry, prepare_model
 from tollgate.sources import FetchOptions, ModelSourceError, SourceOffline

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.lib.s3_server import CuttingProxy, MotoServer, free_port
+from tests.lib.net import free_port
+from tests.lib.s3_server import CuttingProxy, MotoServer
 from tollgate.catalog import ModelEntry
 from tollgate.modelcli import ProgressBar
 from tollgate.modelprep import MANIFEST, cache_entries, check_entry, prepare_model
