@@ -278,6 +278,19 @@ def _registry(r: dict[str, Any]) -> list[str]:
 
     for key, label in names.items():
         lines.append(row(label, t[key], t["cp"]["mb_per_s"], t["curl"]["mb_per_s"]))
+    cold = t.get("cold")
+    if cold:
+        lines += [
+            "",
+            "The same with the page cache dropped before every run, as for weights too large "
+            "to stay in memory (the server and `cp` both read the disk; medians of "
+            f"{cold['runs']}):",
+            "",
+            "| method | seconds | MB/s | vs cp | vs curl |",
+            "|---|---|---|---|---|",
+        ]
+        for key, label in names.items():
+            lines.append(row(label, cold[key], cold["cp"]["mb_per_s"], cold["curl"]["mb_per_s"]))
     held = t["per_connection"]
     lines += [
         "",
