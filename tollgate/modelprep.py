@@ -268,8 +268,7 @@ def prepare_model(
         if local.is_dir():
             return local
         gguf = local
-        stat = local.stat()
-        key = _cache_key(local.name, f"{entry.source}|{stat.st_size}|{stat.st_mtime_ns}")
+        key = _cache_key(local.name, f"{entry.source}|{source.snapshot().revision}")
     else:
         fetched = _fetched_entry(source, cache_dir, timings, progress)
         ggufs = sorted(p for p in fetched.iterdir() if p.suffix == ".gguf")
@@ -325,13 +324,12 @@ def _fetched_entry(
 
 def _newest_cached(source: Source, cache_dir: Path) -> Path | None:
     """The newest complete fetched entry of this source (the pinned revision, if any)."""
-    pinned = getattr(source, "pinned", None)
     found = [
         e
         for e in cache_entries(cache_dir)
         if e.source == source.uri
         and e.kind == "fetched"
-        and (pinned is None or e.revision == pinned)
+        and (source.pinned is None or e.revision == source.pinned)
         and not check_entry(e.path)
     ]
     if not found:

@@ -146,6 +146,11 @@ class Source(ABC):
         """
 
     @property
+    def pinned(self) -> str | None:
+        """The exact revision the URI itself names, if any (usable offline)."""
+        return None
+
+    @property
     def name(self) -> str:
         """A short readable name for cache folders."""
         return Path(urlparse(self.uri).path.rstrip("/")).name or self.entry.id
@@ -163,7 +168,7 @@ class LocalSource(Source):
 
     def snapshot(self) -> Snapshot:
         stat = self.local_path().stat()
-        return Snapshot(revision=f"{stat.st_size}-{stat.st_mtime_ns}")
+        return Snapshot(revision=f"{stat.st_size}|{stat.st_mtime_ns}")
 
     def fetch(self, snapshot: Snapshot, dest: Path, progress: ProgressFn) -> FileDigests:
         raise self.error("a local source is used in place")
@@ -461,7 +466,7 @@ class HuggingFaceSource(Source):
 
     @property
     def pinned(self) -> str | None:
-        """The commit the URI names, if it names one (usable offline)."""
+        """The commit the URI names, if it names one."""
         return self.revision if _COMMIT.match(self.revision) else None
 
     def _api(self) -> Any:
