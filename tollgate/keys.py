@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import secrets
 import time
@@ -248,19 +249,22 @@ def new_key(
 ) -> tuple[str, KeyRecord]:
     """A new key: the token (shown once) and its whitelist record."""
     now = time.time()
+    # JWT times are whole seconds: round the expiry up, so that a key lives at
+    # least its TTL, and keep the whitelist record equal to the token's claim.
+    expires_at = float(math.ceil(now + ttl_s)) if ttl_s else None
     record = KeyRecord(
         key_id=uuid.uuid4().hex,
         tenant=tenant,
         name=name,
         models=models or ["*"],
-        expires_at=now + ttl_s if ttl_s else None,
+        expires_at=expires_at,
         created_at=now,
         updated_at=now,
         **limits,
     )
     claims: dict[str, Any] = {"jti": record.key_id, "sub": tenant, "iat": int(now)}
-    if record.expires_at is not None:
-        claims["exp"] = int(record.expires_at)
+    if expires_at is not None:
+        claims["exp"] = int(expires_at)
     return "tg-" + signing.sign(claims), record
 
 

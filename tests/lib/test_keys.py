@@ -42,6 +42,14 @@ def test_a_new_key_verifies_and_carries_its_claims(signing: SigningKeySet) -> No
     assert claims["exp"] == int(record.expires_at or 0)
 
 
+def test_a_key_lives_at_least_its_ttl(signing: SigningKeySet) -> None:
+    before = time.time()
+    token, record = new_key(signing, tenant="acme", ttl_s=1)
+    claims = verifier_for(signing).verify(strip_prefix(token))
+    assert claims["exp"] >= before + 1 and claims["exp"] < before + 2
+    assert record.expires_at == claims["exp"]
+
+
 def test_keys_file_is_private(signing: SigningKeySet) -> None:
     assert signing.path.stat().st_mode & 0o777 == 0o600
     assert SigningKeySet(signing.path).current == signing.current

@@ -99,9 +99,10 @@ def test_hs256_signed_with_the_public_key(router_url: str, stack: Stack, api_key
 
 
 async def test_expired_key(router_url: str, stack: Stack) -> None:
-    token, _ = await make_key(stack, ttl_s=1)
+    token, _ = await make_key(stack, ttl_s=2)
     await wait_status(router_url, token, 200)
-    await asyncio.sleep(1.2)
+    exp = jwt.decode(strip_prefix(token), options={"verify_signature": False})["exp"]
+    await asyncio.sleep(max(0.0, exp - time.time()) + 0.05)
     assert_401(post(router_url, token))
 
 
