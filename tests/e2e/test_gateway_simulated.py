@@ -85,15 +85,21 @@ async def test_worker_killed_mid_stream_ends_the_stream_with_an_error(
     # 100 tokens at 10/s: streams outlive the 3 s heartbeat window by far.
     body = {"model": SLOW_MODEL, "stream": True, "messages": MESSAGES, "max_tokens": 100}
     async with httpx.AsyncClient(timeout=30, headers=auth_headers) as http:
-        # Fill both workers' slots so one request surely runs on the victim.
+        # Fill both workers' slots so that two requests surely run on the victim;
+        # kill it once all four streams are under way.
+        streaming = 0
+
         async def stream_one() -> list[str]:
+            nonlocal streaming
             lines: list[str] = []
             async with http.stream("POST", f"{router_url}/v1/chat/completions", json=body) as r:
                 async for line in r.aiter_lines():
                     if line:
                         lines.append(line)
-                    if len(lines) == 3 and victim.proc.poll() is None:
-                        victim.proc.send_signal(signal.SIGKILL)
+                    if len(lines) == 3:
+                        streaming += 1
+                        if streaming == 4:
+                            victim.proc.send_signal(signal.SIGKILL)
             return lines
 
         started = time.monotonic()
@@ -209,10 +215,12 @@ async def test_a_request_whose_client_left_in_the_queue_is_never_run(
                         break  # still queued: hang up
             # The router notices at its next keep-alive and cancels the request.
             routers = [s for s in stack.services if s.name == "router"]
-            for _ in range(200):
+            deadline = time.monotonic() + 30
+            while True:
                 text = "\n".join(r.log_text() for r in routers)
                 if any(queued_id in ln and "client_disconnected" in ln for ln in text.splitlines()):
                     break
+                assert time.monotonic() < deadline, "the router never noticed the hang-up"
                 await asyncio.sleep(0.05)
             for response in busy:  # free the slots: the worker fetches the queued one
                 await response.aclose()

@@ -42,6 +42,8 @@ from tests.conftest import (
     free_port,
     wait_ready,
 )
+from tests.lib.streams import read_subject
+from tests.router.test_auth import wait_status
 from tollgate import bus
 from tollgate.analytics import run_query
 from tollgate.contracts import QueryResult
@@ -135,6 +137,7 @@ async def tenant_key(ms: MeterStack, tenant: str) -> str:
         await store.put(record, "create")
     finally:
         await nc.close()
+    await wait_status(ms.router_url, token, 200)  # the router has seen the key
     return token
 
 
@@ -401,13 +404,7 @@ async def test_every_ending_yields_exactly_one_row(meter_stack: MeterStack) -> N
     # drops them) and as new messages (the metering service skips them).
     nc = await bus.connect(ms.stack.nats.url, "test-replay")
     js = nc.jetstream()
-    sub = await js.subscribe(ms.subjects.usage(tenant), ordered_consumer=True)
-    events = []
-    with contextlib.suppress(TimeoutError):
-        while True:
-            msg = await sub.next_msg(timeout=2)
-            events.append(msg.data)
-    await sub.unsubscribe()
+    events = [msg.data for msg in await read_subject(js, ms.subjects.usage(tenant))]
     valid = [e for e in events if e.startswith(b"{") and b"request_id" in e]
     assert len(valid) == TOTAL
     duplicates_before = await ms.metric("tollgate_metering_events_duplicate_total")
@@ -445,13 +442,9 @@ async def test_a_nats_restart_loses_and_doubles_nothing(meter_stack: MeterStack)
     key = await tenant_key(ms, "faults-after-restart")
     body = {"model": METER_MODEL, "messages": MESSAGES, "max_tokens": 2}
     async with httpx.AsyncClient(base_url=ms.router_url, timeout=30) as http:
-        for _ in range(50):
-            r = await http.post(
-                "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-            )
-            if r.status_code != 401:
-                break
-            await asyncio.sleep(0.1)
+        r = await http.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
     assert r.status_code == 200, r.text
 
 

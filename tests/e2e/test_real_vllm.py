@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from tests.conftest import REAL_MODEL, SIM_MODEL, HeartbeatWatch, Stack
 from tollgate.subjects import Subjects
 
-pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("real_worker")]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.usefixtures("real_worker")]
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 

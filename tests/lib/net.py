@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
+from collections.abc import Iterator
 
 
 def free_port() -> int:
@@ -12,6 +13,17 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+@contextlib.contextmanager
+def refused_port() -> Iterator[int]:
+    """A loopback port that refuses connections while the block runs.
+
+    The port stays bound (never listening), so nothing else can take it.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
 
 
 def wait_for_port(port: int, timeout: float = 20.0) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.lib.net import free_port
+from tests.lib.net import refused_port
 from tests.lib.s3_server import CuttingProxy, MotoServer
 from tollgate.catalog import ModelEntry
 from tollgate.modelcli import ProgressBar
@@ -163,13 +163,14 @@ def test_an_unreachable_store_serves_the_cached_copy(
     moto: MotoServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cache = tmp_path / "cache"
-    down = options(moto, s3_endpoint_url=f"http://127.0.0.1:{free_port()}")
-    with pytest.raises(ModelSourceError, match="cannot reach"):
-        prepare_model(entry("s3://models/tiny"), cache, options=down)
-    assert_nothing_half_written(cache)
-    fetched = prepare_model(entry("s3://models/tiny"), cache, options=options(moto))
-    with caplog.at_level(logging.WARNING, "tollgate.modelprep"):
-        again = prepare_model(entry("s3://models/tiny"), cache, options=down)
+    with refused_port() as port:
+        down = options(moto, s3_endpoint_url=f"http://127.0.0.1:{port}")
+        with pytest.raises(ModelSourceError, match="cannot reach"):
+            prepare_model(entry("s3://models/tiny"), cache, options=down)
+        assert_nothing_half_written(cache)
+        fetched = prepare_model(entry("s3://models/tiny"), cache, options=options(moto))
+        with caplog.at_level(logging.WARNING, "tollgate.modelprep"):
+            again = prepare_model(entry("s3://models/tiny"), cache, options=down)
     assert again == fetched
     assert "model source unreachable; using the cached copy" in caplog.text
 

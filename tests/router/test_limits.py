@@ -34,15 +34,17 @@ async def test_requests_per_minute_hold_across_two_routers(router_url: str, stac
     headers = {"Authorization": f"Bearer {token}"}
     body = {"model": SIM_MODEL, "messages": MESSAGES, "max_tokens": 1}
     async with httpx.AsyncClient(timeout=30, headers=headers) as http:
+        # one request through each router, then a burst through both
+        for url in (router_url, second):
+            first = await http.post(f"{url}{CHAT}", json=body)
+            assert first.status_code == 200, first.text
         responses = await asyncio.gather(
-            *(http.post(f"{(router_url, second)[i % 2]}{CHAT}", json=body) for i in range(30))
+            *(http.post(f"{(router_url, second)[i % 2]}{CHAT}", json=body) for i in range(28))
         )
     ok = [r for r in responses if r.status_code == 200]
     limited = [r for r in responses if r.status_code == 429]
-    assert len(ok) == 10 and len(limited) == 20, [r.status_code for r in responses]
-    assert {r.url.host + str(r.url.port) for r in ok} != set() and len(
-        {str(r.url.port) for r in ok}
-    ) == 2, "both routers served part of the combined limit"
+    # the two routers share one limit of 10: 2 + 8 ran, 20 refused
+    assert len(ok) == 8 and len(limited) == 20, [r.status_code for r in responses]
     sample = limited[0]
     assert sample.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(sample.headers["Retry-After"]) >= 1
@@ -109,7 +111,7 @@ async def test_fifty_concurrent_requests_against_a_budget_that_fits_ten(
     assert billed <= budget
     month = time.strftime("%Y%m", time.gmtime())
     # settled: the counter holds exactly what was billed, no reservation left over
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while (used := await budget_used(stack, f"{key_id}.{month}")) != billed:
         assert time.monotonic() < deadline, (used, billed)
         await asyncio.sleep(0.05)

@@ -1,13 +1,12 @@
 """The scaler end to end with the local backend: real NATS, router and simulated-engine workers.
 
-The model ``sim/scaled`` (two slots per worker, 2 s replies) starts at zero
+The model ``sim/scaled`` (two slots per worker, 5 s replies of 100 tokens) starts at zero
 workers; its policy scales to at most 3 and back to zero after 4 s idle.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -17,11 +16,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import nats
 import openai
 import pytest
 
 from tests.conftest import SCALE_MODEL, HeartbeatWatch, Service, Stack
+from tests.lib.streams import read_subject
 from tollgate import bus
 from tollgate.subjects import Subjects
 
@@ -102,7 +101,7 @@ async def test_a_request_to_a_model_at_zero_completes_after_a_worker_starts(
     resp = await aclient.chat.completions.create(model=SCALE_MODEL, messages=MESSAGES)
     waited = time.monotonic() - started
     assert resp.choices[0].finish_reason == "stop" and resp.usage is not None
-    assert resp.usage.completion_tokens == 40
+    assert resp.usage.completion_tokens == 100
     status = scaler_status(stack)
     first = status["decisions"][0]
     assert first["previous"] == 0 and first["desired"] >= 1 and first["reason"] == "from_zero"
@@ -113,12 +112,7 @@ async def test_a_request_to_a_model_at_zero_completes_after_a_worker_starts(
     nc = await bus.connect(stack.nats.url, "test-scale-events")
     try:
         js = nc.jetstream()
-        sub = await js.subscribe(Subjects().scale(SCALE_MODEL), ordered_consumer=True)
-        events = []
-        with contextlib.suppress(nats.errors.TimeoutError):
-            while True:
-                events.append(json.loads((await sub.next_msg(timeout=2)).data))
-        await sub.unsubscribe()
+        events = [json.loads(m.data) for m in await read_subject(js, Subjects().scale(SCALE_MODEL))]
         # this scaler's decisions (the stream also holds other tests' scalers')
         ours = [e for e in events if e["backend"] == "local" and e["time"] >= first["time"] - 1]
         assert ours and ours[0]["type"] == "tg.scale.v1" and ours[0]["reason"] == "from_zero"
@@ -137,7 +131,7 @@ async def test_a_burst_scales_up_and_idle_scales_to_zero(
         await watch.wait_for(lambda _: len(watch.ready(SCALE_MODEL)) == 3, timeout=60)
         results = await asyncio.gather(*burst)
     # scale-down starts while part of the burst still streams: nothing is cut short
-    assert results == [(40, "stop")] * 12
+    assert results == [(100, "stop")] * 12
     await wait_until(lambda: workers_of(service) == [], 60, "the model to scale to zero")
     status = scaler_status(stack)
     assert status["desired"] == 0
@@ -155,7 +149,7 @@ async def test_a_crashed_worker_is_restarted(
     scaler: tuple[Service, str], stack: Stack, aclient: openai.AsyncOpenAI
 ) -> None:
     service, base = scaler
-    hold = asyncio.create_task(stream(aclient, max_tokens=200))  # 10 s: keeps one worker
+    hold = asyncio.create_task(stream(aclient))  # 5 s: keeps one worker
     async with HeartbeatWatch(stack.nats.url, Subjects()) as watch:
         await watch.wait_for(
             lambda b: any(x.model == SCALE_MODEL and x.slots_used == 1 for x in b.values()), 30
@@ -173,4 +167,4 @@ async def test_a_crashed_worker_is_restarted(
     metrics = httpx.get(f"{base}/metrics").text
     assert f'tollgate_scaler_worker_restarts_total{{model="{SCALE_MODEL}"}} 1.0' in metrics
     pieces, finish = await stream(aclient)
-    assert (pieces, finish) == (40, "stop")
+    assert (pieces, finish) == (100, "stop")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import openai
 import pytest
@@ -39,27 +38,25 @@ async def test_scale_down_of_busy_workers_aborts_nothing(
         async with HeartbeatWatch(stack.nats.url, Subjects()) as watch:
             await backend.scale(SCALE_MODEL, 2, [])
             await watch.wait_for(lambda _: len(watch.ready(SCALE_MODEL)) == 2, timeout=60)
-            # four 2-second streams fill both workers' two slots
+            # four 5-second streams fill both workers' two slots
             streams = [asyncio.create_task(long_stream(aclient)) for _ in range(4)]
             await watch.wait_for(
                 lambda _: [b.slots_used for b in watch.ready(SCALE_MODEL)] == [2, 2], timeout=30
             )
             busy = [b.worker_id for b in watch.ready(SCALE_MODEL)]
-            draining_at = time.monotonic()
             await backend.scale(SCALE_MODEL, 1, busy[:1])
             assert (await backend.current(SCALE_MODEL)).running == 1
             await watch.wait_for(
                 lambda b: b[busy[0]].state in (WorkerState.DRAINING, WorkerState.STOPPED), 10
             )
             results = await asyncio.gather(*streams)
-            assert results == [(40, "stop")] * 4, "the drained worker finished its streams"
+            assert results == [(100, "stop")] * 4, "the drained worker finished its streams"
             # it exits once its streams are done, not before
             [drained] = [w for w in backend.workers[SCALE_MODEL] if w.worker_id == busy[0]] or [
                 None
             ]
             if drained is not None:
                 await asyncio.wait_for(drained.proc.wait(), 30)
-            assert time.monotonic() - draining_at > 1.0
             await backend.scale(SCALE_MODEL, 0, [])
             await watch.wait_for(lambda _: not watch.ready(SCALE_MODEL), timeout=30)
     finally:
