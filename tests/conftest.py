@@ -320,6 +320,23 @@ def stack(nats_server: NatsServer, var_dir: Path, prepared_model: Path) -> Itera
     stack.stop_all()
 
 
+@pytest.fixture(autouse=True)
+def _stop_what_the_test_started(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Services a test starts on the session stack stop when the test ends.
+
+    Fixtures of wider scope are set up before this one, so what they start
+    (the session's router and workers) is left running for the next tests.
+    """
+    if "stack" not in request.fixturenames:
+        yield
+        return
+    stack: Stack = request.getfixturevalue("stack")
+    before = len(stack.services)
+    yield
+    for service in reversed(stack.services[before:]):
+        service.stop(timeout=30)
+
+
 @pytest.fixture(scope="session")
 async def api_key(stack: Stack) -> str:
     """The stack's signing key and a key for every model, as `tollgate up` makes them."""
