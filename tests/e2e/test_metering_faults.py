@@ -43,11 +43,11 @@ from tests.conftest import (
     wait_ready,
 )
 from tests.lib.streams import read_subject
-from tests.router.test_auth import wait_status
+from tests.router.test_auth import make_key, wait_status
 from tollgate import bus
 from tollgate.analytics import run_query
 from tollgate.contracts import QueryResult
-from tollgate.keys import KeyStore, SigningKeySet, bootstrap, new_key
+from tollgate.keys import bootstrap
 from tollgate.subjects import Subjects
 
 TOTAL = 500
@@ -129,14 +129,7 @@ async def meter_stack(
 
 
 async def tenant_key(ms: MeterStack, tenant: str) -> str:
-    nc = await bus.connect(ms.stack.nats.url, "test-keys")
-    try:
-        store = await KeyStore(nc.jetstream()).open()
-        signing = SigningKeySet(ms.stack.var_dir / "auth" / "signing-keys.json")
-        token, record = new_key(signing, tenant=tenant, name="metering faults")
-        await store.put(record, "create")
-    finally:
-        await nc.close()
+    token, _ = await make_key(ms.stack, tenant=tenant, name="metering faults")
     await wait_status(ms.router_url, token, 200)  # the router has seen the key
     return token
 

@@ -30,7 +30,7 @@ async def make_key(stack: Stack, **kwargs: object) -> tuple[str, str]:
     token, record = new_key(signing_keys(stack), tenant=str(kwargs.pop("tenant", "t1")), **kwargs)  # type: ignore[arg-type]
     nc = await bus.connect(stack.nats.url, "test-keys")
     try:
-        await (await KeyStore(nc.jetstream()).open()).put(record)
+        await (await KeyStore(nc.jetstream()).open()).put(record, "create")
     finally:
         await nc.close()
     return token, record.key_id
