@@ -33,8 +33,8 @@ import httpx
 from bench import procs as P
 from bench.load import RunStats, run_load
 from services.worker.vllm_engine import build_engine_argv
-from tollgate.catalog import load_catalog
-from tollgate.modelprep import prepare_model
+from tollgate.models.cache import prepare_model
+from tollgate.models.catalog import load_catalog
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = "SmolLM2-135M-Instruct"
@@ -245,12 +245,15 @@ def bench_gateway(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any
 
 def revocation_times(nats: str, work: Path, routers: list[str], quick: bool) -> list[float]:
     """Revoke keys one by one; time until every auth-on router refuses each."""
-    from tollgate import bus
-    from tollgate.keys import KeyStore, SigningKeySet, auth_dir, new_key
+    from tollgate.keys.store import KeyStore
+    from tollgate.keys.tokens import SigningKeySet, auth_dir
+    from tollgate.wire import bus
+    from tollgate.wire.subjects import Subjects
+    from tollgate.wire.topology import Topology
 
     async def run() -> list[float]:
         nc = await bus.connect(nats, "bench-revoke")
-        store = await KeyStore(nc.jetstream(), actor="bench").open()
+        store = await KeyStore(nc.jetstream(), Topology(Subjects()), actor="bench").open()
         signing = SigningKeySet(auth_dir(work) / "signing-keys.json")
         times = []
         async with aiohttp.ClientSession() as http:
@@ -265,8 +268,7 @@ def revocation_times(nats: str, work: Path, routers: list[str], quick: bool) -> 
                     await asyncio.sleep(0)
 
             for _ in range(20 if quick else 50):
-                token, record = new_key(signing, tenant="bench")
-                await store.put(record, "create")
+                token, record = await store.create(signing, tenant="bench")
                 for url in routers:  # wait until every router knows the key
                     while True:
                         async with http.get(

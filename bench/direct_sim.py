@@ -14,10 +14,10 @@ from aiohttp import web
 
 from services.worker.engine import ErrorResult, FullResult
 from services.worker.simulated import SimulatedEngine
-from tollgate.catalog import load_catalog
-from tollgate.contracts import Endpoint
-from tollgate.modelprep import prepare_model
-from tollgate.settings import CommonSettings
+from tollgate.models.cache import prepare_model
+from tollgate.models.catalog import load_catalog
+from tollgate.runtime.settings import CommonSettings
+from tollgate.wire.contracts import Endpoint
 
 
 async def serve(model: str, port: int) -> None:

@@ -27,10 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import procs as P
 from bench.load import RunStats, run_load
-from tollgate import bus
 from tollgate.analytics import run_query
-from tollgate.bus import ensure_usage_stream
-from tollgate.subjects import Subjects
+from tollgate.wire import bus
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Topology
 
 SUBJECTS = Subjects()
 BATCH = 5000
@@ -61,7 +61,7 @@ async def publish_all(nats: str, events: list[dict[str, Any]]) -> float:
     """Publish with a window of acks in flight; the publish rate."""
     nc = await bus.connect(nats, "bench-publish")
     js = nc.jetstream()
-    await ensure_usage_stream(js, SUBJECTS)
+    await Topology(SUBJECTS).ensure_stream(js, Topology(SUBJECTS).usage)
     started = time.perf_counter()
     window = 2000
     for start in range(0, len(events), window):

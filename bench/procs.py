@@ -16,10 +16,12 @@ from pathlib import Path
 import httpx
 
 from tests.lib.net import free_port, wait_for_port  # noqa: F401 - part of this module's API
-from tollgate import bus, codec
-from tollgate.contracts import WorkerHeartbeat, WorkerState
-from tollgate.keys import bootstrap
-from tollgate.supervisor import nats_server_binary
+from tollgate.app.supervisor import nats_server_binary
+from tollgate.keys.store import bootstrap
+from tollgate.wire import bus, codec
+from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Topology
 
 
 class Procs:
@@ -90,7 +92,7 @@ def api_key(nats_url: str, workdir: Path) -> dict[str, str]:
     async def make() -> str:
         nc = await bus.connect(nats_url, "bench-keys")
         try:
-            return await bootstrap(nc.jetstream(), workdir)
+            return await bootstrap(nc.jetstream(), Topology(Subjects()), workdir)
         finally:
             await nc.close()
 

@@ -31,11 +31,11 @@ from typing import Any
 
 from bench import procs as P
 from tests.lib.s3_server import CuttingProxy, MotoServer  # the test suite's, reused
-from tollgate import bus, codec
-from tollgate.catalog import ModelEntry
-from tollgate.contracts import WorkerHeartbeat, WorkerState
-from tollgate.modelprep import prepare_model
-from tollgate.sources import FetchOptions, S3Source
+from tollgate.models.cache import prepare_model
+from tollgate.models.catalog import ModelEntry
+from tollgate.models.sources import FetchOptions, S3Source
+from tollgate.wire import bus, codec
+from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
 
 MODEL = "registry/smollm2"
 PER_CONNECTION = 50e6  # bytes/s a connection gets in the held-bandwidth runs
@@ -245,8 +245,8 @@ def bench_time_to_ready(
 
 
 def bench_registry(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any]:
-    from tollgate.catalog import load_catalog
-    from tollgate.sources import open_source
+    from tollgate.models.catalog import load_catalog
+    from tollgate.models.sources import open_source
 
     gguf = open_source(load_catalog().get("SmolLM2-135M-Instruct")).local_path()
     assert gguf is not None

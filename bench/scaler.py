@@ -58,7 +58,7 @@ def bench_simulation() -> dict[str, Any]:
 
 def _status(env: dict[str, str], model: str) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "tollgate.cli", "scaler", "status", "--json"],
+        [sys.executable, "-m", "tollgate.app.cli", "scaler", "status", "--json"],
         env=env,
         capture_output=True,
         text=True,

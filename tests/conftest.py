@@ -22,14 +22,15 @@ import pytest
 
 from tests.lib.net import free_port, wait_for_port
 from tests.lib.s3_server import MotoServer
-from tollgate import bus, codec
-from tollgate.catalog import load_catalog
-from tollgate.contracts import WorkerHeartbeat, WorkerState
-from tollgate.keys import bootstrap
-from tollgate.modelprep import prepare_model
-from tollgate.sources import open_source
-from tollgate.subjects import Subjects
-from tollgate.supervisor import nats_server_binary
+from tollgate.app.supervisor import nats_server_binary
+from tollgate.keys.store import bootstrap
+from tollgate.models.cache import prepare_model
+from tollgate.models.catalog import load_catalog
+from tollgate.models.sources import open_source
+from tollgate.wire import bus, codec
+from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Topology
 
 # No call home from huggingface_hub in tests (its first request fetches a registry);
 # read when it is first imported, which none of the imports above does.
@@ -342,7 +343,7 @@ async def api_key(stack: Stack) -> str:
     """The stack's signing key and a key for every model, as `tollgate up` makes them."""
     nc = await bus.connect(stack.nats.url, "test-bootstrap")
     try:
-        return await bootstrap(nc.jetstream(), stack.var_dir)
+        return await bootstrap(nc.jetstream(), Topology(Subjects()), stack.var_dir)
     finally:
         await nc.close()
 

@@ -17,9 +17,9 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from tollgate import codec
-from tollgate.contracts import QueryRequest, QueryResult
-from tollgate.subjects import Subjects
+from tollgate.wire import codec
+from tollgate.wire.contracts import QueryRequest, QueryResult
+from tollgate.wire.subjects import Subjects
 
 ReportBy = Literal["model", "key", "day"]
 OutputFormat = Literal["table", "csv", "json"]

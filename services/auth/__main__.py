@@ -10,8 +10,8 @@ from aiohttp import web
 
 from services.auth.app import create_app
 from services.auth.settings import AuthSettings
-from tollgate.logs import setup_logging
-from tollgate.settings import CommonSettings
+from tollgate.runtime.logs import setup_logging
+from tollgate.runtime.settings import CommonSettings
 
 
 def main(argv: list[str] | None = None) -> None:

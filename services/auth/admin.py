@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
-from tollgate.keys import KeyRecord, KeyState, KeyStore, SigningKey, SigningKeySet, new_key
+from tollgate.keys.records import KeyRecord, SigningKey
+from tollgate.keys.store import KeyStore
+from tollgate.keys.tokens import SigningKeySet
 
 
 class NotFoundError(Exception):
@@ -19,7 +19,7 @@ class KeyAdmin:
 
     async def create(self, spec: CreateKey) -> tuple[str, KeyRecord]:
         limits = spec.model_dump(exclude={"tenant", "name", "models", "ttl_s"})
-        token, record = new_key(
+        return await self.store.create(
             self.signing,
             tenant=spec.tenant,
             name=spec.name,
@@ -27,8 +27,6 @@ class KeyAdmin:
             ttl_s=spec.ttl_s,
             **limits,
         )
-        await self.store.put(record, "create")
-        return token, record
 
     async def get(self, key_id: str) -> KeyRecord:
         record = await self.store.get(key_id)
@@ -40,18 +38,16 @@ class KeyAdmin:
         return sorted(await self.store.all(), key=lambda r: r.created_at)
 
     async def update(self, key_id: str, change: UpdateKey) -> KeyRecord:
-        record = await self.get(key_id)
         fields = change.model_dump(exclude_unset=True)
-        updated = KeyRecord.model_validate(
-            {**record.model_dump(), **fields, "updated_at": time.time()}
-        )
-        await self.store.put(updated, "update")
+        updated = await self.store.update(key_id, lambda _: fields)
+        if updated is None:
+            raise NotFoundError(key_id)
         return updated
 
     async def revoke(self, key_id: str) -> KeyRecord:
-        await self.get(key_id)
         record = await self.store.revoke(key_id)
-        assert record is not None and record.state is KeyState.REVOKED
+        if record is None:
+            raise NotFoundError(key_id)
         return record
 
     async def rotate(self, spec: RotateSigningKey) -> SigningKey:

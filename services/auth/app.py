@@ -20,9 +20,12 @@ from services.auth.ledger import BudgetLedger
 from services.auth.metrics import AuthMetrics
 from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
 from services.auth.settings import AuthSettings
-from tollgate import bus
-from tollgate.keys import KeyState, KeyStore, SigningKeySet, auth_dir
-from tollgate.settings import CommonSettings
+from tollgate.keys.records import KeyState
+from tollgate.keys.store import KeyStore
+from tollgate.keys.tokens import SigningKeySet, auth_dir
+from tollgate.runtime.settings import CommonSettings
+from tollgate.wire import bus
+from tollgate.wire.topology import Role
 
 log = logging.getLogger("tollgate.auth")
 
@@ -144,16 +147,17 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
     async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
         nc = await bus.connect(common.nats_url, name="auth")
         js = nc.jetstream()
-        replicas = common.subjects.replicas
-        store = await KeyStore(js, actor="admin-api", replicas=replicas).open()
+        topology = common.topology
+        await topology.ensure(js, Role.AUTH)
+        store = await KeyStore(js, topology, actor="admin-api").open()
         signing = SigningKeySet(settings.signing_keys_file or folder / "signing-keys.json")
         if signing.current is None:
             await store.publish_signing_key(signing.generate(settings.algorithm), "rotate")
         app[ADMIN] = KeyAdmin(store, signing)
         ledger = BudgetLedger(
             js,
-            KeyStore(js, actor="budget-ledger", replicas=replicas),
-            common.subjects,
+            KeyStore(js, topology, actor="budget-ledger"),
+            topology,
             settings.reactivate_every_s,
             app[METRICS],
         )

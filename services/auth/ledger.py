@@ -20,19 +20,16 @@ import time
 from typing import Any
 
 import orjson
-from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, StorageType
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.auth.metrics import AuthMetrics
-from tollgate import codec
-from tollgate.bus import ensure_usage_stream
-from tollgate.contracts import UsageEvent
-from tollgate.keys import KeyRecord, KeyState, KeyStore, budget_window
-from tollgate.subjects import Subjects
+from tollgate.keys.records import KeyRecord, KeyState, budget_window
+from tollgate.keys.store import KeyStore
+from tollgate.wire import codec
+from tollgate.wire.contracts import UsageEvent
+from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.auth.ledger")
-
-SPEND_BUCKET = "tg_spend"
 
 
 class BudgetLedger:
@@ -40,14 +37,14 @@ class BudgetLedger:
         self,
         js: Any,
         store: KeyStore,
-        subjects: Subjects,
+        topology: Topology,
         reactivate_every_s: float,
         metrics: AuthMetrics | None = None,
     ):
         self.metrics = metrics
         self.js = js
         self.store = store
-        self.subjects = subjects
+        self.topology = topology
         self.reactivate_every_s = reactivate_every_s
         self.spend: Any = None
         self._stopping = asyncio.Event()
@@ -57,15 +54,8 @@ class BudgetLedger:
         self._stopping.set()
 
     async def open(self) -> None:
-        await ensure_usage_stream(self.js, self.subjects)
-        try:
-            self.spend = await self.js.key_value(SPEND_BUCKET)
-        except Exception:
-            self.spend = await self.js.create_key_value(
-                KeyValueConfig(
-                    bucket=SPEND_BUCKET, storage=StorageType.FILE, replicas=self.subjects.replicas
-                )
-            )
+        await self.topology.ensure_stream(self.js, self.topology.usage)
+        self.spend = await self.topology.bucket(self.js, self.topology.spend)
 
     async def spent(self, key_id: str, window: str) -> int:
         with contextlib.suppress(KeyNotFoundError):
@@ -74,11 +64,12 @@ class BudgetLedger:
         return 0
 
     async def run(self) -> None:
+        consumer = self.topology.auth_budget
         sub = await self.js.pull_subscribe(
-            self.subjects.usage_all,
-            durable="auth-budget",
-            stream=self.subjects.usage_stream,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_ack_pending=10_000),
+            consumer.filter_subject,
+            durable=consumer.durable,
+            stream=consumer.stream,
+            config=consumer.config(max_ack_pending=10_000),
         )
         next_check = 0.0
         while not self._stopping.is_set():
@@ -141,16 +132,19 @@ class BudgetLedger:
                 return int(new["tokens"])
             except KeyWrongLastSequenceError:
                 continue
-            except Exception as exc:
-                if "wrong last sequence" not in str(exc):
-                    raise
 
     async def _set_state(self, record: KeyRecord, state: KeyState, action: str) -> None:
+        def change(current: KeyRecord) -> dict[str, Any] | None:
+            # A revoked key stays revoked; an unchanged state is not written again.
+            if current.state is state or current.state is KeyState.REVOKED:
+                return None
+            return {"state": state}
+
         if record.state is state or record.state is KeyState.REVOKED:
             return
-        record.state = state
-        record.updated_at = time.time()
-        await self.store.put(record, action)
+        updated = await self.store.update(record.key_id, change, action)
+        if updated is None or updated.state is not state:
+            return
         if self.metrics is not None:
             self.metrics.state_changes.labels(state.value).inc()
         log.info("key state changed", extra={"key_id": record.key_id, "state": state.value})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tollgate.keys import Algorithm, BudgetPeriod
+from tollgate.keys.records import Algorithm, BudgetPeriod
 
 
 class CreateKey(BaseModel):

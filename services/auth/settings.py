@@ -5,7 +5,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tollgate.keys import Algorithm
+from tollgate.keys.records import Algorithm
 
 
 class AuthSettings(BaseSettings):

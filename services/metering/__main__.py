@@ -16,9 +16,9 @@ from aiohttp import web
 
 from services.metering.app import create_app, open_store
 from services.metering.settings import MeteringSettings
-from tollgate.catalog import load_catalog
-from tollgate.logs import setup_logging
-from tollgate.settings import CommonSettings
+from tollgate.models.catalog import load_catalog
+from tollgate.runtime.logs import setup_logging
+from tollgate.runtime.settings import CommonSettings
 
 
 def migrate(settings: MeteringSettings, common: CommonSettings) -> int:

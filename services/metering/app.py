@@ -21,11 +21,10 @@ from services.metering.metrics import MeteringMetrics
 from services.metering.queries import QueryResponder
 from services.metering.settings import MeteringSettings
 from services.metering.store import UsageStore
-from tollgate import bus
-from tollgate.bus import ensure_capture_streams
-from tollgate.catalog import Catalog
-from tollgate.ops import add_ops_routes
-from tollgate.settings import CommonSettings
+from tollgate.models.catalog import Catalog
+from tollgate.runtime.ops import add_ops_routes
+from tollgate.runtime.settings import CommonSettings
+from tollgate.wire import bus
 
 log = logging.getLogger("tollgate.metering")
 
@@ -73,8 +72,7 @@ def create_app(
         task = asyncio.create_task(ingest.run(), name="ingest")
         task.add_done_callback(_exit_if_failed)
         # Captured exchanges and replay results share the usage writer's thread.
-        await ensure_capture_streams(nc.jetstream(), common.subjects)
-        exchanges = exchange_ingests(nc, store, ingest.write, common.subjects)
+        exchanges = exchange_ingests(nc, store, ingest.write, common.topology)
         side = [asyncio.create_task(e.run(), name=e.table) for e in exchanges]
         for t in side:
             t.add_done_callback(_exit_if_failed)

@@ -17,13 +17,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
-from nats.js.api import AckPolicy, ConsumerConfig
 from pydantic import BaseModel, ValidationError
 
 from services.metering.store import UsageStore
-from tollgate.bus import BatchPull
-from tollgate.contracts import CaptureEvent, ReplayResult
-from tollgate.subjects import Subjects
+from tollgate.wire.bus import BatchPull
+from tollgate.wire.contracts import CaptureEvent, ReplayResult
+from tollgate.wire.topology import ConsumerSpec, Topology
 
 log = logging.getLogger("tollgate.metering.exchanges")
 
@@ -37,9 +36,7 @@ class StreamToTable:
         store: UsageStore,
         write: Write,
         *,
-        stream: str,
-        subject: str,
-        durable: str,
+        consumer: ConsumerSpec,
         table: str,
         key: str,
         contract: type[BaseModel],
@@ -48,9 +45,7 @@ class StreamToTable:
         self.js = nc.jetstream()
         self.store = store
         self.write = write
-        self.stream = stream
-        self.subject = subject
-        self.durable = durable
+        self.consumer = consumer
         self.table = table
         self.key = key
         self.contract = contract
@@ -66,14 +61,7 @@ class StreamToTable:
         while True:
             try:
                 await self.js.add_consumer(
-                    self.stream,
-                    ConsumerConfig(
-                        durable_name=self.durable,
-                        filter_subject=self.subject,
-                        ack_policy=AckPolicy.EXPLICIT,
-                        ack_wait=60,
-                        max_deliver=-1,
-                    ),
+                    self.consumer.stream, self.consumer.config(ack_wait=60, max_deliver=-1)
                 )
                 return
             except Exception as exc:
@@ -83,7 +71,7 @@ class StreamToTable:
 
     async def run(self) -> None:
         await self._setup()
-        pull = await BatchPull(self.nc, self.stream, self.durable).start()
+        pull = await BatchPull(self.nc, self.consumer.stream, self.consumer.durable).start()
         try:
             while not self._stopping.is_set():
                 msgs = await pull.fetch(500, timeout=1.0, window=0.5)
@@ -119,35 +107,15 @@ class StreamToTable:
 
 
 def exchange_ingests(
-    nc: NATS, store: UsageStore, write: Write, subjects: Subjects
+    nc: NATS, store: UsageStore, write: Write, topology: Topology
 ) -> list[StreamToTable]:
     """The capture and replay consumers (the caller runs and stops them)."""
     return [
         StreamToTable(
-            nc,
-            store,
-            write,
-            stream=stream,
-            subject=subject,
-            durable=durable,
-            table=table,
-            key="request_id",
-            contract=contract,
+            nc, store, write, consumer=consumer, table=table, key="request_id", contract=contract
         )
-        for stream, subject, durable, table, contract in (
-            (
-                subjects.capture_stream,
-                subjects.capture_all,
-                "metering-capture",
-                "exchanges",
-                CaptureEvent,
-            ),
-            (
-                subjects.replay_stream,
-                subjects.replay_all,
-                "metering-replay",
-                "replays",
-                ReplayResult,
-            ),
+        for consumer, table, contract in (
+            (topology.metering_capture, "exchanges", CaptureEvent),
+            (topology.metering_replay, "replays", ReplayResult),
         )
     ]

@@ -31,16 +31,16 @@ from clickhouse_connect.driver.exceptions import DatabaseError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 from nats.js.errors import NoStreamResponseError
 from pydantic import ValidationError
 
 from services.metering.metrics import MeteringMetrics
 from services.metering.settings import MeteringSettings
 from services.metering.store import DATA_ERRORS, StoreUnavailable, UsageStore, error_code
-from tollgate.bus import BatchPull, ensure_stream, ensure_usage_stream
-from tollgate.contracts import UsageEvent
-from tollgate.subjects import Subjects
+from tollgate.wire.bus import BatchPull
+from tollgate.wire.contracts import UsageEvent
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Role, Topology
 
 log = logging.getLogger("tollgate.metering.ingest")
 
@@ -95,17 +95,6 @@ def _duration(value: float | None) -> float | None:
     return max(0.0, value)
 
 
-async def ensure_dead_letter_stream(js: JetStreamContext, subjects: Subjects) -> None:
-    config = StreamConfig(
-        name=subjects.dead_letter_stream,
-        subjects=[subjects.usage_dead_letter],
-        storage=StorageType.FILE,
-        duplicate_window=600.0,
-        num_replicas=subjects.replicas,
-    )
-    await ensure_stream(js, config)
-
-
 class UsageIngest:
     def __init__(
         self,
@@ -119,6 +108,7 @@ class UsageIngest:
         self.js: JetStreamContext = nc.jetstream()
         self.store = store
         self.subjects = subjects
+        self.topology = Topology(subjects)
         self.settings = settings
         self.metrics = metrics
         self.running = False
@@ -139,14 +129,12 @@ class UsageIngest:
         delay = 0.2
         while True:
             try:
-                await ensure_usage_stream(self.js, self.subjects)
-                await ensure_dead_letter_stream(self.js, self.subjects)
+                # Every stream the metering service reads or writes.
+                await self.topology.ensure(self.js, Role.METERING)
+                consumer = self.topology.metering_usage
                 await self.js.add_consumer(
-                    self.subjects.usage_stream,
-                    ConsumerConfig(
-                        durable_name=self.settings.durable,
-                        filter_subject=self.subjects.usage_all,
-                        ack_policy=AckPolicy.EXPLICIT,
+                    consumer.stream,
+                    consumer.config(
                         ack_wait=self.settings.ack_wait_s,
                         max_ack_pending=self.settings.batch_max_rows * 4,
                         max_deliver=-1,
@@ -162,15 +150,15 @@ class UsageIngest:
         """Keep the consumer-lag gauge current (events waiting in the stream)."""
         while True:
             with contextlib.suppress(Exception):  # NATS away for a moment: next time
-                info = await self.js.consumer_info(
-                    self.subjects.usage_stream, self.settings.durable
-                )
+                consumer = self.topology.metering_usage
+                info = await self.js.consumer_info(consumer.stream, consumer.durable)
                 self.metrics.pending.set(info.num_pending)
             await asyncio.sleep(every_s)
 
     async def run(self) -> None:
         await self._setup()
-        puller = await BatchPull(self.nc, self.subjects.usage_stream, self.settings.durable).start()
+        consumer = self.topology.metering_usage
+        puller = await BatchPull(self.nc, consumer.stream, consumer.durable).start()
         self.running = True
         watch = asyncio.create_task(self._watch_pending(), name="pending")
         # The next batch is collected while the previous one is written: the
@@ -331,7 +319,7 @@ class UsageIngest:
                 break
             except NoStreamResponseError:
                 with contextlib.suppress(Exception):
-                    await ensure_dead_letter_stream(self.js, self.subjects)
+                    await self.topology.ensure_stream(self.js, self.topology.dead_letter)
             except Exception as exc:
                 log.warning("dead-letter publish failed: %s", type(exc).__name__)
             if self._stopping.is_set():

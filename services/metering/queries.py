@@ -16,9 +16,9 @@ from pydantic import ValidationError
 
 from services.metering.metrics import MeteringMetrics
 from services.metering.store import UsageStore
-from tollgate import codec
-from tollgate.contracts import QueryRequest, QueryResult
-from tollgate.subjects import Subjects
+from tollgate.wire import codec
+from tollgate.wire.contracts import QueryRequest, QueryResult
+from tollgate.wire.subjects import Subjects
 
 log = logging.getLogger("tollgate.metering.queries")
 

@@ -19,7 +19,6 @@ class MeteringSettings(BaseSettings):
         ),
     )
     database: str = Field(default="tollgate", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    durable: str = Field(default="metering", description="Name of the durable consumer.")
     batch_max_rows: int = Field(default=5000, ge=1, description="Insert at most this many rows.")
     batch_max_wait_s: float = Field(
         default=1.0, gt=0, description="Insert a partial batch this long after its first event."

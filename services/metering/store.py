@@ -22,8 +22,8 @@ import orjson
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 
-from tollgate.catalog import Catalog
-from tollgate.contracts import QueryResult
+from tollgate.models.catalog import Catalog
+from tollgate.wire.contracts import QueryResult
 
 log = logging.getLogger("tollgate.metering.store")
 

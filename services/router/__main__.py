@@ -10,10 +10,10 @@ from aiohttp import web
 
 from services.router.app import create_app
 from services.router.settings import RouterSettings
-from tollgate import tracing
-from tollgate.catalog import load_catalog
-from tollgate.logs import setup_logging
-from tollgate.settings import CommonSettings
+from tollgate.models.catalog import load_catalog
+from tollgate.runtime import tracing
+from tollgate.runtime.logs import setup_logging
+from tollgate.runtime.settings import CommonSettings
 
 
 def main(argv: list[str] | None = None) -> None:

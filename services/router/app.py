@@ -35,9 +35,10 @@ from services.router.serving import OpenAIServing
 from services.router.settings import RouterSettings
 from services.router.usage import Outbox, UsagePublisher
 from services.router.workers import WorkerView
-from tollgate import bus
-from tollgate.catalog import Catalog
-from tollgate.settings import CommonSettings
+from tollgate.models.catalog import Catalog
+from tollgate.runtime.settings import CommonSettings
+from tollgate.wire import bus
+from tollgate.wire.topology import Role
 
 log = logging.getLogger("tollgate.router")
 
@@ -81,19 +82,20 @@ def create_app(
 
     async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
         nc = await bus.connect(common.nats_url, name=f"router-{settings.router_id}")
+        js = nc.jetstream()
+        topology = common.topology
+        await topology.ensure(js, Role.ROUTER)
         workers = WorkerView(settings.heartbeat_misses)
         await workers.start(nc, common.subjects)
-        dispatcher = Dispatcher(nc, common.subjects, settings.router_id)
+        dispatcher = Dispatcher(nc, topology, settings.router_id)
         await dispatcher.start(catalog.models)
         metrics.track(lambda: dispatcher.in_flight, lambda: dispatcher.queued)
         app[WORKERS] = workers
         app[DISPATCHER] = dispatcher
-        js = nc.jetstream()
         outbox = Outbox(settings.outbox or common.var_dir / "outbox" / f"router-{settings.port}.db")
         usage = UsagePublisher(js, common.subjects, outbox)
         await usage.start()
-        limiter = await Limiter.open(js, common.subjects.replicas)
-        await bus.ensure_capture_streams(js, common.subjects)
+        limiter = await Limiter.open(js, topology)
         capturer = Capturer(
             js, common.subjects, settings.capture_tenants, settings.capture_max_bytes
         )
@@ -104,7 +106,7 @@ def create_app(
         keys = KeyMirror(settings.hs256_secrets)
         app[KEYS] = keys
         if settings.auth:
-            await keys.start(nc, common.subjects.replicas)
+            await keys.start(nc, topology)
             if not await keys.wait_synced(timeout=10):
                 log.warning("key whitelist not loaded yet; not ready until it is")
         log.info("router started", extra={"router_id": settings.router_id, "auth": settings.auth})

@@ -10,7 +10,7 @@ from services.router.metrics import RouterMetrics
 from services.router.serving import OpenAIServing
 from services.router.settings import RouterSettings
 from services.router.workers import WorkerView
-from tollgate.catalog import Catalog
+from tollgate.models.catalog import Catalog
 
 SETTINGS = web.AppKey("settings", RouterSettings)
 CATALOG = web.AppKey("catalog", Catalog)

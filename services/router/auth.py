@@ -20,16 +20,11 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 
 from services.router.errors import ModelNotFound, QuotaExceeded, TollgateError
-from tollgate.catalog import ModelEntry
-from tollgate.keys import (
-    InvalidToken,
-    KeyRecord,
-    KeyState,
-    KeyStore,
-    SigningKey,
-    TokenVerifier,
-    strip_prefix,
-)
+from tollgate.keys.records import KeyRecord, KeyState, SigningKey
+from tollgate.keys.store import KeyStore
+from tollgate.keys.tokens import InvalidToken, TokenVerifier, strip_prefix
+from tollgate.models.catalog import ModelEntry
+from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.auth")
 
@@ -67,8 +62,8 @@ class KeyMirror:
     def ready(self) -> bool:
         return all(event.is_set() for event in self._synced.values())
 
-    async def start(self, nc: NATS, replicas: int = 1) -> None:
-        store = await KeyStore(nc.jetstream(), replicas=replicas).open()
+    async def start(self, nc: NATS, topology: Topology) -> None:
+        store = await KeyStore(nc.jetstream(), topology).open()
         self._tasks = [
             asyncio.create_task(self._watch(nc, store.keys, "keys", self._apply_key)),
             asyncio.create_task(self._watch(nc, store.signing, "signing", self._apply_signing)),

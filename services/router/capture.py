@@ -18,10 +18,10 @@ from typing import Any
 import orjson
 from nats.js import JetStreamContext
 
-from tollgate import codec
-from tollgate.contracts import CaptureEvent, Endpoint, UsageEvent
-from tollgate.keys import KeyRecord
-from tollgate.subjects import Subjects
+from tollgate.keys.records import KeyRecord
+from tollgate.wire import codec
+from tollgate.wire.contracts import CaptureEvent, Endpoint, UsageEvent
+from tollgate.wire.subjects import Subjects
 
 log = logging.getLogger("tollgate.router.capture")
 

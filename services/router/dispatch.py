@@ -16,10 +16,16 @@ from nats.aio.msg import Msg
 from nats.js.errors import NoStreamResponseError
 
 from services.router.limits import Reservation
-from tollgate import codec, tracing
-from tollgate.bus import ensure_infer_stream
-from tollgate.contracts import CancelRequest, InferenceRequest, ResponseChunk, Usage
-from tollgate.subjects import Subjects
+from tollgate.runtime import tracing
+from tollgate.wire import codec
+from tollgate.wire.contracts import (
+    Arrival,
+    CancelRequest,
+    InferenceRequest,
+    ResponseChunk,
+    Usage,
+)
+from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.dispatch")
 
@@ -57,16 +63,17 @@ class Call:
 
 
 class Dispatcher:
-    def __init__(self, nc: NATS, subjects: Subjects, router_id: str) -> None:
+    def __init__(self, nc: NATS, topology: Topology, router_id: str) -> None:
         self.nc = nc
         self.js = nc.jetstream()
-        self.subjects = subjects
+        self.topology = topology
+        self.subjects = topology.subjects
         self.router_id = router_id
         self._calls: dict[str, Call] = {}
 
     async def start(self, model_ids: Iterable[str]) -> None:
         for model_id in model_ids:
-            await ensure_infer_stream(self.js, self.subjects, model_id)
+            await self.topology.ensure_stream(self.js, self.topology.infer(model_id))
         await self.nc.subscribe(
             f"{self.subjects.reply_prefix(self.router_id)}.*", cb=self._on_chunk
         )
@@ -100,7 +107,7 @@ class Dispatcher:
                 await self.js.publish(subject, data, headers=headers, timeout=5)
             except NoStreamResponseError:
                 # The in-memory stream is gone (NATS restarted): recreate it once.
-                await ensure_infer_stream(self.js, self.subjects, request.model)
+                await self.topology.ensure_stream(self.js, self.topology.infer(request.model))
                 await self.js.publish(subject, data, headers=headers, timeout=5)
         except BaseException:
             self._calls.pop(request.request_id, None)
@@ -108,6 +115,13 @@ class Dispatcher:
             # come back (a timeout): make sure no worker runs it for nobody.
             await self.cancel(call, "not_dispatched")
             raise
+        arrival = Arrival(
+            request_id=request.request_id, model=request.model, at=request.enqueued_at
+        )
+        try:
+            await self.nc.publish(self.subjects.arrivals(request.model), codec.encode(arrival))
+        except Exception as exc:  # the scaler also sees the queue depth: not worth failing for
+            log.warning("arrival not announced: %s", exc)
         return call
 
     async def cancel(self, call: Call, reason: str) -> None:

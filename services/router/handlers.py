@@ -33,10 +33,10 @@ from services.router.errors import (
     sse_error_event,
 )
 from services.router.serving import KEEPALIVE, OpenAIServing, Prepared
-from tollgate import tracing
-from tollgate.catalog import ModelEntry
-from tollgate.contracts import ChunkKind, Endpoint, ResponseChunk
-from tollgate.logs import request_id_var
+from tollgate.models.catalog import ModelEntry
+from tollgate.runtime import tracing
+from tollgate.runtime.logs import request_id_var
+from tollgate.wire.contracts import ChunkKind, Endpoint, ResponseChunk
 
 log = logging.getLogger("tollgate.router")
 

@@ -5,9 +5,9 @@ concurrent routers cannot both take the last unit. A router remembers the
 last revision it saw of each counter and tries its update against it first:
 one round trip when it is the only writer, a read and a retry when not.
 
-- requests/min and tokens/min: fixed one-minute windows (``tg_ratelimits``,
+- requests/min and tokens/min: fixed one-minute windows (the ``ratelimits`` bucket,
   memory storage, entries expire after two minutes);
-- token budgets per day, month or in total (``tg_budgets``, file storage).
+- token budgets per day, month or in total (the ``budgets`` bucket, file storage).
 
 Tokens are reserved before dispatch at the worst case (an upper bound of the
 prompt plus the completion limit) and settled to the engine's count after, so
@@ -22,16 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.router.errors import QuotaExceeded, RateLimited
-from tollgate.keys import KeyRecord, budget_window
+from tollgate.keys.records import KeyRecord, budget_window
+from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.limits")
-
-RATE_BUCKET = "tg_ratelimits"
-BUDGET_BUCKET = "tg_budgets"
 
 
 @dataclass
@@ -100,23 +97,9 @@ class Limiter:
         self.budgets = budgets
 
     @classmethod
-    async def open(cls, js: Any, replicas: int = 1) -> Limiter:
-        async def bucket(name: str, config: KeyValueConfig) -> Any:
-            try:
-                return await js.key_value(name)
-            except Exception:
-                return await js.create_key_value(config)
-
-        rates = await bucket(
-            RATE_BUCKET,
-            KeyValueConfig(
-                bucket=RATE_BUCKET, storage=StorageType.MEMORY, ttl=120, replicas=replicas
-            ),
-        )
-        budgets = await bucket(
-            BUDGET_BUCKET,
-            KeyValueConfig(bucket=BUDGET_BUCKET, storage=StorageType.FILE, replicas=replicas),
-        )
+    async def open(cls, js: Any, topology: Topology) -> Limiter:
+        rates = await topology.bucket(js, topology.ratelimits)
+        budgets = await topology.bucket(js, topology.budgets)
         return cls(CounterStore(rates), CounterStore(budgets))
 
     async def reserve(self, record: KeyRecord, worst_tokens: int) -> Reservation:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from nats.js import JetStreamContext
 
-from tollgate import codec
-from tollgate.bus import ensure_usage_stream
-from tollgate.contracts import UsageEvent
-from tollgate.subjects import Subjects
+from tollgate.wire import codec
+from tollgate.wire.contracts import UsageEvent
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.usage")
 
@@ -76,8 +76,9 @@ class UsagePublisher:
         self._wake = asyncio.Event()
 
     async def start(self) -> None:
+        topology = Topology(self.subjects)
         with contextlib.suppress(Exception):  # NATS may be down: the replayer retries
-            await ensure_usage_stream(self.js, self.subjects)
+            await topology.ensure_stream(self.js, topology.usage)
         self._replayer = asyncio.create_task(self._replay_loop())
 
     def emit(self, event: UsageEvent) -> None:

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from tollgate import codec
-from tollgate.contracts import WorkerHeartbeat, WorkerState
-from tollgate.subjects import Subjects
+from tollgate.wire import codec
+from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
+from tollgate.wire.subjects import Subjects
 
 log = logging.getLogger("tollgate.router.workers")
 

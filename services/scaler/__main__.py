@@ -12,9 +12,9 @@ from aiohttp import web
 
 from services.scaler.app import create_app
 from services.scaler.settings import ScalerSettings
-from tollgate.catalog import load_catalog
-from tollgate.logs import setup_logging
-from tollgate.settings import CommonSettings
+from tollgate.models.catalog import load_catalog
+from tollgate.runtime.logs import setup_logging
+from tollgate.runtime.settings import CommonSettings
 
 
 def main(argv: list[str] | None = None) -> int:

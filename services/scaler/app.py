@@ -20,7 +20,6 @@ from typing import Any
 from aiohttp import web
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from services.scaler.backends import Backend, KubernetesBackend, LocalBackend, Replicas
 from services.scaler.metrics import ScalerMetrics
@@ -28,12 +27,13 @@ from services.scaler.policy import Decision, Policy, PolicyState, Signals
 from services.scaler.profile import HISTORY_SQL, DemandProfile
 from services.scaler.settings import ScalerSettings
 from services.scaler.signals import BusSignals
-from tollgate import bus, codec
 from tollgate.analytics import MeteringUnavailable, run_query
-from tollgate.catalog import Catalog, ModelEntry
-from tollgate.contracts import WorkerState
-from tollgate.ops import add_ops_routes
-from tollgate.settings import CommonSettings
+from tollgate.models.catalog import Catalog, ModelEntry
+from tollgate.runtime.ops import add_ops_routes
+from tollgate.runtime.settings import CommonSettings
+from tollgate.wire import bus, codec
+from tollgate.wire.contracts import WorkerState
+from tollgate.wire.topology import Role, Topology
 
 log = logging.getLogger("tollgate.scaler")
 
@@ -82,17 +82,7 @@ class Scaler:
 
     async def start(self) -> None:
         js = self.nc.jetstream()
-        await bus.ensure_stream(
-            js,
-            StreamConfig(
-                name=self.subjects.scale_stream,
-                subjects=[self.subjects.scale_all],
-                retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
-                max_age=30 * 86400,
-                num_replicas=self.subjects.replicas,
-            ),
-        )
+        await Topology(self.subjects).ensure(js, Role.SCALER)
         await self.backend.start()
         warm = {self.catalog.get(m).id for m in self.settings.warm}
         now = time.monotonic()

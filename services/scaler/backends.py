@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from tollgate.subjects import model_token
+from tollgate.wire.subjects import model_token
 
 log = logging.getLogger("tollgate.scaler")
 

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tollgate.catalog import ScalingPolicy
+from tollgate.models.catalog import ScalingPolicy
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 - worker heartbeats (``tg.workers.*``): who serves what, in which state, with
   how many busy slots; a worker that misses three beats is gone;
-- arrivals (``tg.infer.*``): every request as it enters a model's work queue,
-  so a model at zero wakes the scaler at once;
+- arrivals (``tg.arrivals.*``): a small event (no request body) for every
+  request that enters a model's work queue, so a model at zero wakes the
+  scaler at once;
 - usage events (``tg.usage.*``): tokens per second per model;
 - the work-queue stream's message count: requests waiting for a worker
   (asked of JetStream each tick).
@@ -20,9 +21,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from tollgate import codec
-from tollgate.contracts import UsageEvent, WorkerHeartbeat, WorkerState
-from tollgate.subjects import Subjects, model_id_from_token
+from tollgate.wire import codec
+from tollgate.wire.contracts import Arrival, UsageEvent, WorkerHeartbeat, WorkerState
+from tollgate.wire.subjects import Subjects
 
 _MISSED_BEATS = 3
 _TOKENS_WINDOW_S = 60.0
@@ -73,7 +74,7 @@ class BusSignals:
 
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_beat)
-        await self.nc.subscribe(f"{self.subjects.prefix}.infer.*", cb=self._on_arrival)
+        await self.nc.subscribe(self.subjects.arrivals_all, cb=self._on_arrival)
         await self.nc.subscribe(self.subjects.usage_all, cb=self._on_usage)
 
     async def _on_beat(self, msg: Msg) -> None:
@@ -92,12 +93,11 @@ class BusSignals:
             view.startup_s = beat.startup_s
 
     async def _on_arrival(self, msg: Msg) -> None:
-        token = msg.subject.rsplit(".", 1)[-1]
         try:
-            model = model_id_from_token(token)
-        except (ValueError, UnicodeDecodeError):
+            arrival = codec.decode(Arrival, msg.data)
+        except Exception:
             return
-        view = self.view(model)
+        view = self.view(arrival.model)
         view.arrivals += 1
         view.last_arrival_at = time.monotonic()
         self.arrived.set()

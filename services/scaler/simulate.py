@@ -34,7 +34,7 @@ import orjson
 
 from services.scaler.policy import Policy, Signals
 from services.scaler.profile import DemandProfile
-from tollgate.catalog import ScalingPolicy
+from tollgate.models.catalog import ScalingPolicy
 
 MODEL = "simulated"
 # Monday 1970-01-05 00:00 UTC: the simulated day starts on a Monday.

@@ -7,10 +7,10 @@ import asyncio
 
 from services.worker.app import run_worker
 from services.worker.settings import WorkerSettings
-from tollgate import tracing
-from tollgate.catalog import load_catalog
-from tollgate.logs import setup_logging
-from tollgate.settings import CommonSettings
+from tollgate.models.catalog import load_catalog
+from tollgate.runtime import tracing
+from tollgate.runtime.logs import setup_logging
+from tollgate.runtime.settings import CommonSettings
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,12 +18,12 @@ from services.worker.consumer import WorkerConsumer
 from services.worker.engine import Engine, ErrorResult
 from services.worker.metrics import WorkerMetrics, create_http_app
 from services.worker.settings import WorkerSettings
-from tollgate import bus
-from tollgate.catalog import ModelEntry, load_catalog
-from tollgate.contracts import Endpoint
-from tollgate.modelprep import hold_entry, prepare_model
-from tollgate.settings import CommonSettings
-from tollgate.sources import FetchOptions
+from tollgate.models.cache import hold_entry, prepare_model
+from tollgate.models.catalog import ModelEntry, load_catalog
+from tollgate.models.sources import FetchOptions
+from tollgate.runtime.settings import CommonSettings
+from tollgate.wire import bus
+from tollgate.wire.contracts import Endpoint
 
 log = logging.getLogger("tollgate.worker")
 

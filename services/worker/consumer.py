@@ -17,7 +17,6 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
 from services.worker.engine import (
@@ -30,9 +29,10 @@ from services.worker.engine import (
 )
 from services.worker.metrics import WorkerMetrics
 from services.worker.settings import WorkerSettings
-from tollgate import codec, tracing
-from tollgate.bus import ensure_infer_stream
-from tollgate.contracts import (
+from tollgate.runtime import tracing
+from tollgate.runtime.logs import request_id_var
+from tollgate.wire import codec
+from tollgate.wire.contracts import (
     CancelRequest,
     ChunkKind,
     InferenceRequest,
@@ -42,8 +42,8 @@ from tollgate.contracts import (
     WorkerHeartbeat,
     WorkerState,
 )
-from tollgate.logs import request_id_var
-from tollgate.subjects import Subjects
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.worker")
 
@@ -86,6 +86,7 @@ class WorkerConsumer:
         self.engine = engine
         self.settings = settings
         self.subjects = subjects
+        self.topology = Topology(subjects)
         self.model_id = model_id
         self.state = WorkerState.STARTING
         self.startup_s: float | None = None  # process start to ready, set once ready
@@ -118,7 +119,7 @@ class WorkerConsumer:
     async def start(self) -> None:
         """Subscribe to cancels and start the pull loop: the worker is ready."""
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel)
-        await ensure_infer_stream(self.js, self.subjects, self.model_id)
+        await self.topology.ensure_stream(self.js, self.topology.infer(self.model_id))
         self.state = WorkerState.READY
         await self._send_heartbeat()
         self._tasks.append(asyncio.create_task(self._pull_loop(), name="pull"))
@@ -216,18 +217,11 @@ class WorkerConsumer:
     # -- the pull loop -----------------------------------------------------
 
     async def _subscribe(self) -> Any:
-        config = ConsumerConfig(
-            durable_name=self.subjects.infer_consumer(self.model_id),
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=self.settings.ack_wait_s,
-            max_ack_pending=-1,
-        )
-        await ensure_infer_stream(self.js, self.subjects, self.model_id)
+        consumer = self.topology.workers(self.model_id)
+        config = consumer.config(ack_wait=self.settings.ack_wait_s, max_ack_pending=-1)
+        await self.topology.ensure_stream(self.js, self.topology.infer(self.model_id))
         return await self.js.pull_subscribe(
-            self.subjects.infer(self.model_id),
-            durable=config.durable_name,
-            stream=self.subjects.infer_stream(self.model_id),
-            config=config,
+            consumer.filter_subject, durable=consumer.durable, stream=consumer.stream, config=config
         )
 
     async def _consumer_gone(self) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from tollgate.contracts import Endpoint, Usage
+from tollgate.wire.contracts import Endpoint, Usage
 
 
 @dataclass

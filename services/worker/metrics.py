@@ -23,7 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tollgate.contracts import WorkerState
+from tollgate.wire.contracts import WorkerState
 
 if TYPE_CHECKING:
     from services.worker.consumer import WorkerConsumer

@@ -27,8 +27,8 @@ from services.worker.engine import (
     StreamResult,
     current_tally,
 )
-from tollgate.catalog import ModelEntry, SimulatedEngineConfig
-from tollgate.contracts import Endpoint, Usage
+from tollgate.models.catalog import ModelEntry, SimulatedEngineConfig
+from tollgate.wire.contracts import Endpoint, Usage
 
 _TEXT = (
     "Tollgate is a simulated engine reply. It streams one token at a time so that the "

@@ -26,8 +26,8 @@ from services.worker.engine import (
     StreamResult,
     current_tally,
 )
-from tollgate.catalog import ModelEntry
-from tollgate.contracts import Endpoint, Usage
+from tollgate.models.catalog import ModelEntry
+from tollgate.wire.contracts import Endpoint, Usage
 
 log = logging.getLogger("tollgate.worker.vllm")
 

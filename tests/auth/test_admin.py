@@ -13,8 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import SIM_MODEL, SLOW_MODEL, Stack
 from tests.lib.streams import read_subject
 from tests.router.test_auth import wait_status
-from tollgate import bus
-from tollgate.keys import AUDIT_STREAM, auth_dir
+from tollgate.keys.tokens import auth_dir
+from tollgate.wire import bus
+from tollgate.wire.subjects import Subjects
 
 pytestmark = pytest.mark.usefixtures("sim_workers")
 
@@ -88,7 +89,7 @@ async def audit_actions(stack: Stack, key_id: str) -> list[str]:
     try:
         js = nc.jetstream()
         actions = []
-        for msg in await read_subject(js, "tg.audit.keys", stream=AUDIT_STREAM):
+        for msg in await read_subject(js, Subjects().audit, stream=Subjects().audit_stream):
             event = orjson.loads(msg.data)
             if event.get("key_id") == key_id:
                 actions.append(event["action"])

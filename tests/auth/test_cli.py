@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import SIM_MODEL, SLOW_MODEL, Stack
-from tollgate.cli import parse_budget, parse_ttl
+from tollgate.app.cli import parse_budget, parse_ttl
 
 
 def test_ttl_and_budget_parsing() -> None:
@@ -29,7 +29,7 @@ def test_ttl_and_budget_parsing() -> None:
 def keys(stack: Stack, *args: str) -> str:
     env = {**os.environ, **stack.env()}
     done = subprocess.run(
-        [sys.executable, "-m", "tollgate.cli", "keys", *args],
+        [sys.executable, "-m", "tollgate.app.cli", "keys", *args],
         env=env,
         capture_output=True,
         text=True,

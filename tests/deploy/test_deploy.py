@@ -28,8 +28,8 @@ from services.metering.settings import MeteringSettings
 from services.router.settings import RouterSettings
 from services.scaler.settings import ScalerSettings
 from services.worker.settings import WorkerSettings
-from tollgate.catalog import load_catalog
-from tollgate.settings import CommonSettings
+from tollgate.models.catalog import load_catalog
+from tollgate.runtime.settings import CommonSettings
 
 ROOT = Path(__file__).parents[2]
 DEPLOY = ROOT / "deploy"
@@ -263,7 +263,7 @@ def test_the_image_commands_are_tollgate_commands() -> None:
     """`tollgate <service> --help` works for every command the images and manifests run."""
     for command in ("router", "auth", "metering", "scaler", "worker"):
         out = subprocess.run(
-            [sys.executable, "-m", "tollgate.cli", command, "--help"],
+            [sys.executable, "-m", "tollgate.app.cli", command, "--help"],
             capture_output=True,
             text=True,
             timeout=60,

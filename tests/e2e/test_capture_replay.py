@@ -21,9 +21,9 @@ import pytest
 
 from tests.conftest import REAL_MODEL, SIM_MODEL, Service, Stack
 from tests.router.test_auth import make_key, wait_status
-from tollgate import bus
 from tollgate.analytics import run_query
-from tollgate.subjects import Subjects
+from tollgate.wire import bus
+from tollgate.wire.subjects import Subjects
 
 pytestmark = pytest.mark.usefixtures("sim_workers")
 
@@ -153,7 +153,7 @@ def run_replay(stack: Stack, router_url: str, key: str, where: str, model: str, 
     result = subprocess.run(
         [
             sys.executable,
-            *("-m", "tollgate.cli", "replay", "--where", where, "--model", model),
+            *("-m", "tollgate.app.cli", "replay", "--where", where, "--model", model),
             *("--limit", "20", "--base-url", router_url, "--api-key", key, "--out", str(out)),
         ],
         env=stack.env(),
@@ -210,7 +210,7 @@ async def test_replay_refuses_a_bad_condition(
     result = subprocess.run(
         [
             sys.executable,
-            *("-m", "tollgate.cli", "replay", "--where", "no_such_column = 1"),
+            *("-m", "tollgate.app.cli", "replay", "--where", "no_such_column = 1"),
             *("--model", SIM_MODEL, "--base-url", router_url, "--api-key", "unused"),
             *("--out", str(tmp_path / "x.md")),
         ],

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.conftest import ORPHAN_MODEL, SIM_MODEL, SLOW_MODEL, HeartbeatWatch, Stack, wait_ready
-from tollgate.subjects import Subjects
+from tollgate.wire.subjects import Subjects
 
 pytestmark = pytest.mark.usefixtures("sim_workers")
 

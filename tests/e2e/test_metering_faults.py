@@ -44,11 +44,12 @@ from tests.conftest import (
 )
 from tests.lib.streams import read_subject
 from tests.router.test_auth import make_key, wait_status
-from tollgate import bus
 from tollgate.analytics import run_query
-from tollgate.contracts import QueryResult
-from tollgate.keys import bootstrap
-from tollgate.subjects import Subjects
+from tollgate.keys.store import bootstrap
+from tollgate.wire import bus
+from tollgate.wire.contracts import QueryResult
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Topology
 
 TOTAL = 500
 DISCONNECTS = 50
@@ -113,7 +114,7 @@ async def meter_stack(
     stack = Stack(nats, var)
     cache = str(prepared_model.parent.parent)
     nc = await bus.connect(nats.url, "test-bootstrap")
-    await bootstrap(nc.jetstream(), var)
+    await bootstrap(nc.jetstream(), Topology(Subjects()), var)
     await nc.close()
     try:
         _, router_url = stack.router(

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import REAL_MODEL, SIM_MODEL, HeartbeatWatch, Stack
-from tollgate.subjects import Subjects
+from tollgate.wire.subjects import Subjects
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.usefixtures("real_worker")]
 

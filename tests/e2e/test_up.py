@@ -28,7 +28,7 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
     argv = [
         sys.executable,
         "-m",
-        "tollgate.cli",
+        "tollgate.app.cli",
         "up",
         "--port",
         str(port),
@@ -86,7 +86,7 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
         deadline = time.monotonic() + 60
         while True:
             sql = subprocess.run(
-                [sys.executable, "-m", "tollgate.cli", "sql", query, "--format", "csv"],
+                [sys.executable, "-m", "tollgate.app.cli", "sql", query, "--format", "csv"],
                 env=cli_env,
                 capture_output=True,
                 text=True,
@@ -99,7 +99,7 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
         report = subprocess.run(
             [
                 sys.executable,
-                *("-m", "tollgate.cli", "usage", "report", "--tenant", "demo"),
+                *("-m", "tollgate.app.cli", "usage", "report", "--tenant", "demo"),
                 "--format",
                 "json",
             ],
@@ -116,7 +116,7 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
 
         # The scaler runs the workers: the warm model has one, the others none yet.
         status = subprocess.run(
-            [sys.executable, "-m", "tollgate.cli", "scaler", "status", "--json"],
+            [sys.executable, "-m", "tollgate.app.cli", "scaler", "status", "--json"],
             env=cli_env,
             capture_output=True,
             text=True,

@@ -2,9 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from tollgate.catalog import load_catalog
-from tollgate.modelprep import ModelSourceError, prepare_model
-from tollgate.sources import open_source
+from tollgate.models.cache import ModelSourceError, prepare_model
+from tollgate.models.catalog import load_catalog
+from tollgate.models.sources import open_source
 
 
 def test_packaged_catalog_has_the_default_model() -> None:

@@ -2,8 +2,8 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
-from tollgate import codec
-from tollgate.contracts import (
+from tollgate.wire import codec
+from tollgate.wire.contracts import (
     ChunkKind,
     Endpoint,
     InferenceRequest,

@@ -11,15 +11,8 @@ from pathlib import Path
 import jwt
 import pytest
 
-from tollgate.keys import (
-    InvalidToken,
-    KeyRecord,
-    KeyState,
-    SigningKeySet,
-    TokenVerifier,
-    new_key,
-    strip_prefix,
-)
+from tollgate.keys.records import KeyRecord, KeyState
+from tollgate.keys.tokens import InvalidToken, SigningKeySet, TokenVerifier, new_key, strip_prefix
 
 
 @pytest.fixture(params=["EdDSA", "RS256", "HS256"])

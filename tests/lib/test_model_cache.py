@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tollgate.catalog import load_catalog
-from tollgate.modelprep import (
+from tollgate.models.cache import (
     MANIFEST,
     EntryInUse,
     cache_entries,
@@ -23,6 +22,7 @@ from tollgate.modelprep import (
     remove_entry,
     write_manifest,
 )
+from tollgate.models.catalog import load_catalog
 
 REAL = "SmolLM2-135M-Instruct"
 
@@ -91,7 +91,7 @@ def cli(var_dir: Path, cache: Path, *args: str) -> subprocess.CompletedProcess[s
         "TOLLGATE_MODEL_CACHE": str(cache),
     }
     return subprocess.run(
-        [sys.executable, "-m", "tollgate.cli", "models", *args],
+        [sys.executable, "-m", "tollgate.app.cli", "models", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -146,7 +146,7 @@ def test_two_processes_pulling_one_model_prepare_it_once(var_dir: Path, tmp_path
         "TOLLGATE_CATALOG": str(var_dir / "models.toml"),
         "TOLLGATE_MODEL_CACHE": str(empty),
     }
-    argv = [sys.executable, "-m", "tollgate.cli", "models", "pull", REAL]
+    argv = [sys.executable, "-m", "tollgate.app.cli", "models", "pull", REAL]
     procs = [
         subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)

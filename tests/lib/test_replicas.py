@@ -11,11 +11,10 @@ import pytest
 
 from services.router.limits import Limiter
 from tests.conftest import free_port, wait_for_port
-from tollgate import bus
-from tollgate.bus import ensure_capture_streams, ensure_infer_stream, ensure_usage_stream
-from tollgate.keys import KeyStore
-from tollgate.settings import CommonSettings
-from tollgate.supervisor import nats_server_binary
+from tollgate.app.supervisor import nats_server_binary
+from tollgate.keys.store import KeyStore
+from tollgate.runtime.settings import CommonSettings
+from tollgate.wire import bus
 
 
 @pytest.fixture
@@ -47,7 +46,8 @@ async def test_every_stream_and_bucket_is_replicated(
     cluster: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TOLLGATE_STREAM_REPLICAS", "3")
-    subjects = CommonSettings().subjects
+    topology = CommonSettings().topology
+    subjects = topology.subjects
     assert subjects.replicas == 3
     nc = await bus.connect(",".join(cluster), "test-replicas")
     js = nc.jetstream()
@@ -55,25 +55,20 @@ async def test_every_stream_and_bucket_is_replicated(
         # JetStream needs a meta leader first: retry the first creation briefly
         for _ in range(100):
             try:
-                await ensure_usage_stream(js, subjects)
+                await topology.ensure_stream(js, topology.usage)
                 break
             except Exception:
                 await asyncio.sleep(0.2)
-        await ensure_infer_stream(js, subjects, "some/model")
-        await ensure_capture_streams(js, subjects)
-        await KeyStore(js, replicas=subjects.replicas).open()
-        await Limiter.open(js, subjects.replicas)
+        # the whole declared topology, each part as the service that uses it creates it
+        await topology.ensure(js, models=["some/model"])
+        await KeyStore(js, topology).open()
+        await Limiter.open(js, topology)
         names = [
-            subjects.usage_stream,
-            subjects.infer_stream("some/model"),
-            subjects.capture_stream,
-            subjects.replay_stream,
-            "KV_tg_keys",
-            "KV_tg_signing_keys",
-            "KV_tg_ratelimits",
-            "KV_tg_budgets",
-            "TG_AUDIT",
+            *(spec.name for spec in topology.streams),
+            topology.infer("some/model").name,
+            *(f"KV_{bucket.name}" for bucket in topology.buckets),
         ]
+        assert {"TG_USAGE", "TG_AUDIT", "KV_tg_keys", "KV_tg_budgets"} <= set(names)
         for name in names:
             info = await js.stream_info(name)
             assert info.config.num_replicas == 3, name

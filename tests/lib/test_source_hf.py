@@ -11,9 +11,9 @@ import pytest
 
 from tests.lib.hub_mirror import HubMirror
 from tests.lib.net import refused_port
-from tollgate.catalog import ModelEntry
-from tollgate.modelprep import MANIFEST, cache_entries, check_entry, prepare_model
-from tollgate.sources import FetchOptions, ModelSourceError, SourceOffline
+from tollgate.models.cache import MANIFEST, cache_entries, check_entry, prepare_model
+from tollgate.models.catalog import ModelEntry
+from tollgate.models.sources import FetchOptions, ModelSourceError, SourceOffline
 
 WEIGHTS = os.urandom(3 << 20)
 FILES = {
@@ -136,7 +136,7 @@ def test_offline_the_cache_serves_and_nothing_is_asked(
     assert prepare_model(pinned, cache, options=opts(hub, hf_offline=True)).exists()
 
     # the hub gone: the cached copy serves, with a warning
-    with caplog.at_level(logging.WARNING, "tollgate.modelprep"), refused_port() as port:
+    with caplog.at_level(logging.WARNING, "tollgate.models.cache"), refused_port() as port:
         down = opts(hub, hf_endpoint=f"http://127.0.0.1:{port}")
         assert prepare_model(entry("hf://acme/tiny"), cache, options=down) == online
     assert "model source unreachable; using the cached copy" in caplog.text

@@ -17,10 +17,10 @@ import pytest
 
 from tests.lib.net import refused_port
 from tests.lib.s3_server import CuttingProxy, MotoServer
-from tollgate.catalog import ModelEntry
-from tollgate.modelcli import ProgressBar
-from tollgate.modelprep import MANIFEST, cache_entries, check_entry, prepare_model
-from tollgate.sources import FetchOptions, ModelSourceError
+from tollgate.app.modelcli import ProgressBar
+from tollgate.models.cache import MANIFEST, cache_entries, check_entry, prepare_model
+from tollgate.models.catalog import ModelEntry
+from tollgate.models.sources import FetchOptions, ModelSourceError
 
 WEIGHTS = os.urandom(12 << 20)  # 12 MiB: a three-part multipart upload of 5 MiB parts
 CONFIG = b'{"architectures": ["LlamaForCausalLM"]}'
@@ -169,7 +169,7 @@ def test_an_unreachable_store_serves_the_cached_copy(
             prepare_model(entry("s3://models/tiny"), cache, options=down)
         assert_nothing_half_written(cache)
         fetched = prepare_model(entry("s3://models/tiny"), cache, options=options(moto))
-        with caplog.at_level(logging.WARNING, "tollgate.modelprep"):
+        with caplog.at_level(logging.WARNING, "tollgate.models.cache"):
             again = prepare_model(entry("s3://models/tiny"), cache, options=down)
     assert again == fetched
     assert "model source unreachable; using the cached copy" in caplog.text
@@ -232,7 +232,7 @@ def cli_env(moto: MotoServer, tmp_path: Path) -> dict[str, str]:
     }
 
 
-MODELS_CLI = [sys.executable, "-m", "tollgate.cli", "models"]
+MODELS_CLI = [sys.executable, "-m", "tollgate.app.cli", "models"]
 
 
 def test_two_processes_pulling_one_model_download_it_once(moto: MotoServer, tmp_path: Path) -> None:

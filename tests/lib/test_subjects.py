@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from tollgate.subjects import Subjects, model_id_from_token, model_token
+from tollgate.wire.subjects import Subjects, model_id_from_token, model_token
 
 VALID_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 

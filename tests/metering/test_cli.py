@@ -14,7 +14,7 @@ def test_migrate_applies_the_schema_once(tmp_path: Path) -> None:
         "TOLLGATE_VAR_DIR": str(tmp_path),
         "TOLLGATE_METERING_CLICKHOUSE_DSN": f"chdb://{tmp_path / 'clickhouse'}",
     }
-    argv = [sys.executable, "-m", "tollgate.cli", "metering", "migrate"]
+    argv = [sys.executable, "-m", "tollgate.app.cli", "metering", "migrate"]
     first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
     applied = [line for line in first.stdout.splitlines() if line.startswith("applied ")]

@@ -20,8 +20,8 @@ from services.metering.metrics import MeteringMetrics
 from services.metering.settings import MeteringSettings
 from services.metering.store import StoreUnavailable, UsageStore
 from tests.conftest import NatsServer
-from tollgate import bus
-from tollgate.subjects import Subjects
+from tollgate.wire import bus
+from tollgate.wire.subjects import Subjects
 
 
 def usage(i: int, **fields: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import pytest
 from services.metering import store as store_module
 from services.metering.store import Migration, UsageStore, load_migrations
 from tollgate.analytics import render, report_parameters, report_sql
-from tollgate.catalog import Catalog, ModelEntry, Price
+from tollgate.models.catalog import Catalog, ModelEntry, Price
 
 DAY = datetime(2026, 11, 2, tzinfo=UTC).timestamp()
 

@@ -14,8 +14,12 @@ import jwt
 import pytest
 
 from tests.conftest import SIM_MODEL, SLOW_MODEL, Stack
-from tollgate import bus
-from tollgate.keys import KeyState, KeyStore, SigningKeySet, auth_dir, new_key, strip_prefix
+from tollgate.keys.records import KeyState
+from tollgate.keys.store import KeyStore
+from tollgate.keys.tokens import SigningKeySet, auth_dir, new_key, strip_prefix
+from tollgate.wire import bus
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Topology
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -30,7 +34,7 @@ async def make_key(stack: Stack, **kwargs: object) -> tuple[str, str]:
     token, record = new_key(signing_keys(stack), tenant=str(kwargs.pop("tenant", "t1")), **kwargs)  # type: ignore[arg-type]
     nc = await bus.connect(stack.nats.url, "test-keys")
     try:
-        await (await KeyStore(nc.jetstream()).open()).put(record, "create")
+        await (await KeyStore(nc.jetstream(), Topology(Subjects())).open()).put(record)
     finally:
         await nc.close()
     return token, record.key_id
@@ -116,7 +120,7 @@ async def test_revoked_key(router_url: str, stack: Stack) -> None:
     await wait_status(router_url, token, 200)
     nc = await bus.connect(stack.nats.url, "test-revoke")
     try:
-        record = await (await KeyStore(nc.jetstream()).open()).revoke(key_id)
+        record = await (await KeyStore(nc.jetstream(), Topology(Subjects())).open()).revoke(key_id)
     finally:
         await nc.close()
     assert record is not None and record.state is KeyState.REVOKED
@@ -156,7 +160,7 @@ async def test_revocation_reaches_every_router(router_url: str, stack: Stack) ->
         await wait_status(url, token, 200)
     nc = await bus.connect(stack.nats.url, "test-revoke")
     try:
-        store = await KeyStore(nc.jetstream()).open()
+        store = await KeyStore(nc.jetstream(), Topology(Subjects())).open()
         started = time.monotonic()
         await store.revoke(key_id)
         took = await asyncio.gather(*(wait_status(u, token, 401) for u in (router_url, second)))

@@ -10,8 +10,8 @@ import pytest
 
 from tests.conftest import SIM_MODEL, Stack
 from tests.router.test_auth import make_key, wait_status
-from tollgate import bus
-from tollgate.keys import KeyRecord
+from tollgate.keys.records import KeyRecord
+from tollgate.wire import bus
 
 pytestmark = pytest.mark.usefixtures("sim_workers")
 

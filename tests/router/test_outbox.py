@@ -10,9 +10,9 @@ import pytest
 
 from services.router.usage import Outbox, UsagePublisher
 from tests.conftest import NatsServer, free_port
-from tollgate import bus
-from tollgate.contracts import UsageEvent
-from tollgate.subjects import Subjects
+from tollgate.wire import bus
+from tollgate.wire.contracts import UsageEvent
+from tollgate.wire.subjects import Subjects
 
 SUBJECTS = Subjects()
 

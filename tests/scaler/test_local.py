@@ -21,8 +21,8 @@ import pytest
 
 from tests.conftest import SCALE_MODEL, HeartbeatWatch, Service, Stack
 from tests.lib.streams import read_subject
-from tollgate import bus
-from tollgate.subjects import Subjects
+from tollgate.wire import bus
+from tollgate.wire.subjects import Subjects
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -52,7 +52,7 @@ def workers_of(service: Service) -> list[int]:
 
 def scaler_status(stack: Stack) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "tollgate.cli", "scaler", "status", "--json"],
+        [sys.executable, "-m", "tollgate.app.cli", "scaler", "status", "--json"],
         env=stack.env(),
         capture_output=True,
         text=True,

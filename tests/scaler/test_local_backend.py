@@ -9,8 +9,8 @@ import pytest
 
 from services.scaler.backends import LocalBackend
 from tests.conftest import SCALE_MODEL, HeartbeatWatch, Stack
-from tollgate.contracts import WorkerState
-from tollgate.subjects import Subjects
+from tollgate.wire.contracts import WorkerState
+from tollgate.wire.subjects import Subjects
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

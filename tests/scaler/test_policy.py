@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.scaler.policy import Decision, Policy, Signals
-from tollgate.catalog import ScalingPolicy
+from tollgate.models.catalog import ScalingPolicy
 
 SLOTS = 4  # requests per worker at target_utilization 1.0
 

@@ -46,7 +46,7 @@ def test_scaling_strategies_cost_less_and_see_the_same_requests(
 
 def test_cli_prints_the_table() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "tollgate.cli", "scaler", "simulate", "--startup-s", "70"],
+        [sys.executable, "-m", "tollgate.app.cli", "scaler", "simulate", "--startup-s", "70"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,5 +1,5 @@
 from services.worker.vllm_engine import build_engine_argv, engine_body
-from tollgate.catalog import ModelEntry
+from tollgate.models.catalog import ModelEntry
 
 
 def test_stream_always_asks_for_usage_and_keeps_client_options() -> None:

@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from services.worker.engine import ErrorResult, FullResult, StreamResult, TokenTally, current_tally
 from services.worker.simulated import SimulatedEngine
-from tollgate.catalog import ModelEntry, SimulatedEngineConfig
-from tollgate.contracts import Endpoint
+from tollgate.models.catalog import ModelEntry, SimulatedEngineConfig
+from tollgate.wire.contracts import Endpoint
 
 
 @pytest.fixture(scope="module")

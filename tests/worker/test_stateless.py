@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tests.conftest import HeartbeatWatch, Stack
 from tests.lib.s3_server import MotoServer
-from tollgate.modelprep import cache_entries
-from tollgate.subjects import Subjects
+from tollgate.models.cache import cache_entries
+from tollgate.wire.subjects import Subjects
 
 MODEL = "sim/stateless"
 # what the simulated engine (a test double) reads: the tokenizer and the config

@@ -1,6 +1,6 @@
 """Model preparation and the local model cache.
 
-A model's weights come from its source (``tollgate.sources``): local
+A model's weights come from its source (``tollgate.models.sources``): local
 folders are used where they are; remote sources (``s3://``, ``hf://``) are
 fetched into the cache, keyed by source and exact revision; a GGUF file,
 local or fetched, is converted once to a safetensors folder, cached as its
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from tollgate.catalog import ModelEntry
-from tollgate.sources import (
+from tollgate.models.catalog import ModelEntry
+from tollgate.models.sources import (
     FetchOptions,
     FileDigests,
     FolderWatch,
@@ -45,11 +45,11 @@ from tollgate.sources import (
     no_progress,
     open_source,
 )
-from tollgate.subjects import model_token
+from tollgate.wire.subjects import model_token
 
 __all__ = ["EntryInUse", "ModelSourceError", "prepare_model"]
 
-log = logging.getLogger("tollgate.modelprep")
+log = logging.getLogger("tollgate.models.cache")
 
 MANIFEST = "tollgate-manifest.json"
 _USED = ".tollgate-last-used"

@@ -7,8 +7,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from tollgate.catalog import ModelEntry, load_catalog
-from tollgate.modelprep import (
+from tollgate.models.cache import (
     EntryInUse,
     ModelSourceError,
     check_entry,
@@ -16,8 +15,9 @@ from tollgate.modelprep import (
     prepare_model,
     remove_entry,
 )
-from tollgate.settings import CommonSettings
-from tollgate.sources import FetchOptions
+from tollgate.models.catalog import ModelEntry, load_catalog
+from tollgate.models.sources import FetchOptions
+from tollgate.runtime.settings import CommonSettings
 
 
 def human_size(n: float) -> str:

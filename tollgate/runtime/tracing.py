@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-log = logging.getLogger("tollgate.tracing")
+log = logging.getLogger("tollgate.runtime.tracing")
 
 _tracer: Any = None
 

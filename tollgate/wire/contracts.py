@@ -44,6 +44,15 @@ class InferenceRequest(_Contract):
     key_id: str | None = Field(default=None, description="Id of the API key used.")
 
 
+class Arrival(_Contract):
+    """A request entered a model's work queue: what the scaler counts, without the body."""
+
+    type: Literal["tg.arrival.v1"] = Field(default="tg.arrival.v1", description="Contract type id.")
+    request_id: str = Field(description="The request that arrived.")
+    model: str = Field(description="Canonical model id.")
+    at: float = Field(description="Unix time the router queued it.")
+
+
 class ChunkKind(StrEnum):
     START = "start"  # a worker took the request; carries worker_id
     DATA = "data"  # serving-layer output, relayed untouched

@@ -24,11 +24,14 @@ from pathlib import Path
 from typing import IO
 
 import aiohttp
+from pydantic import ValidationError
 
-from tollgate import bus, codec
-from tollgate.contracts import WorkerHeartbeat, WorkerState
-from tollgate.keys import SigningKeySet, bootstrap
-from tollgate.settings import CommonSettings
+from services.auth.settings import AuthSettings
+from tollgate.keys.store import bootstrap
+from tollgate.keys.tokens import SigningKeySet
+from tollgate.runtime.settings import CommonSettings
+from tollgate.wire import bus, codec
+from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
 
 
 class AlreadyRunning(Exception):
@@ -243,12 +246,13 @@ class Stack:
 
     async def _bootstrap(self) -> str:
         """Signing key, admin credential and demo key on first start (kept in var/auth)."""
-        alg = os.environ.get("TOLLGATE_AUTH_ALGORITHM", "EdDSA")
-        if alg not in ("EdDSA", "RS256", "HS256"):
-            raise SystemExit(f"TOLLGATE_AUTH_ALGORITHM must be EdDSA, RS256 or HS256, not {alg!r}")
+        try:
+            alg = AuthSettings().algorithm
+        except ValidationError as exc:
+            raise SystemExit(f"TOLLGATE_AUTH_ALGORITHM: {exc.errors()[0]['msg']}") from None
         nc = await bus.connect(f"nats://127.0.0.1:{self.nats_port}", name="tollgate-up")
         try:
-            token = await bootstrap(nc.jetstream(), self.var, alg)  # type: ignore[arg-type]
+            token = await bootstrap(nc.jetstream(), self.common.topology, self.var, alg)
         finally:
             await bus.close(nc)
         # HS256 secrets never travel on the bus: routers get them from their settings.

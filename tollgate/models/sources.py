@@ -13,7 +13,7 @@ A catalog entry's ``source`` is a URI:
 
 Local sources are used where they are. Remote ones are listed first (a
 ``Snapshot``: the exact revision and every file's size, which key the cache)
-and then fetched into a folder the cache owns (see ``tollgate.modelprep``).
+and then fetched into a folder the cache owns (see ``tollgate.models.cache``).
 Every failure is a ``ModelSourceError`` that names the model and the source.
 """
 
@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from tollgate.catalog import ModelEntry
+from tollgate.models.catalog import ModelEntry
 
 if TYPE_CHECKING:
-    from tollgate.settings import CommonSettings
+    from tollgate.runtime.settings import CommonSettings
 
 # phase ("fetch", "convert"), bytes done, bytes in all (None: not known)
 ProgressFn = Callable[[str, int, "int | None"], None]

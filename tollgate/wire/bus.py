@@ -11,13 +11,8 @@ import nats
 import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
 
-from tollgate.subjects import Subjects
-
-log = logging.getLogger("tollgate.bus")
+log = logging.getLogger("tollgate.wire.bus")
 
 
 async def connect(url: str, name: str) -> NATS:
@@ -65,64 +60,6 @@ async def close(nc: NATS) -> None:
             await nc.close()
         except Exception as close_exc:  # the server is gone: nothing left to flush
             log.warning("nats close failed: %s", type(close_exc).__name__)
-
-
-async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
-    """Create a stream, or update it to ``config`` when it exists."""
-    try:
-        await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
-
-
-async def ensure_infer_stream(
-    js: JetStreamContext, subjects: Subjects, model_id: str, max_age_s: float = 600.0
-) -> None:
-    """Create (or update) the work-queue stream that holds a model's requests.
-
-    Requests live in memory: each one belongs to an open client connection on
-    a router, so there is nothing to recover from disk after a NATS restart.
-    ``duplicate_window`` drops a request published twice with the same id.
-    """
-    config = StreamConfig(
-        name=subjects.infer_stream(model_id),
-        subjects=[subjects.infer(model_id)],
-        retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.MEMORY,
-        max_age=max_age_s,
-        duplicate_window=min(120.0, max_age_s),
-        num_replicas=subjects.replicas,
-    )
-    await ensure_stream(js, config)
-
-
-async def ensure_usage_stream(js: JetStreamContext, subjects: Subjects) -> None:
-    """The stream of usage events: file storage, duplicates dropped by request id."""
-    config = StreamConfig(
-        name=subjects.usage_stream,
-        subjects=[subjects.usage_all],
-        storage=StorageType.FILE,
-        duplicate_window=600.0,
-        num_replicas=subjects.replicas,
-    )
-    await ensure_stream(js, config)
-
-
-async def ensure_capture_streams(js: JetStreamContext, subjects: Subjects) -> None:
-    """Captured exchanges and replay results, on their way to ClickHouse (kept a day)."""
-    for name, subject in (
-        (subjects.capture_stream, subjects.capture_all),
-        (subjects.replay_stream, subjects.replay_all),
-    ):
-        config = StreamConfig(
-            name=name,
-            subjects=[subject],
-            storage=StorageType.FILE,
-            duplicate_window=600.0,
-            max_age=86400.0,
-            num_replicas=subjects.replicas,
-        )
-        await ensure_stream(js, config)
 
 
 class BatchPull:

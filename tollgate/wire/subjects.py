@@ -9,8 +9,15 @@ is built from it.
 
 from __future__ import annotations
 
+import re
 import string
 from dataclasses import dataclass
+
+# One lower-case subject token: it is also the start of every stream name
+# (upper-cased) and bucket name. Lower case only, so that two prefixes never
+# name the same stream; no ``_``, so that a prefix never ends where another
+# prefix's stream or bucket name continues.
+PREFIX_PATTERN = re.compile(r"[a-z][a-z0-9-]{0,31}")
 
 # Characters kept as they are. Everything else, ``_`` included, is escaped as
 # ``_XX`` per UTF-8 byte, so the mapping is injective (two different ids never
@@ -61,13 +68,28 @@ class Subjects:
     prefix: str = "tg"
     replicas: int = 1
 
+    def __post_init__(self) -> None:
+        if not PREFIX_PATTERN.fullmatch(self.prefix):
+            raise ValueError(
+                f"subject prefix {self.prefix!r} must match {PREFIX_PATTERN.pattern} "
+                "(it also names streams and key-value buckets)"
+            )
+
+    @property
+    def stream_prefix(self) -> str:
+        return self.prefix.upper()
+
+    def bucket(self, name: str) -> str:
+        """A key-value bucket's name under this prefix (``tg_keys``)."""
+        return f"{self.prefix}_{name}"
+
     def infer(self, model_id: str) -> str:
         """Work-queue subject where inference requests for a model wait."""
         return f"{self.prefix}.infer.{model_token(model_id)}"
 
     def infer_stream(self, model_id: str) -> str:
         """JetStream stream that holds one model's inference requests."""
-        return f"{self.prefix.upper()}_INFER_{model_token(model_id)}"
+        return f"{self.stream_prefix}_INFER_{model_token(model_id)}"
 
     def infer_consumer(self, model_id: str) -> str:
         """The durable pull consumer that a model's workers share."""
@@ -104,7 +126,7 @@ class Subjects:
 
     @property
     def usage_stream(self) -> str:
-        return f"{self.prefix.upper()}_USAGE"
+        return f"{self.stream_prefix}_USAGE"
 
     @property
     def usage_dead_letter(self) -> str:
@@ -113,7 +135,7 @@ class Subjects:
 
     @property
     def dead_letter_stream(self) -> str:
-        return f"{self.prefix.upper()}_DEADLETTER"
+        return f"{self.stream_prefix}_DEADLETTER"
 
     @property
     def metering_query(self) -> str:
@@ -134,7 +156,7 @@ class Subjects:
 
     @property
     def scale_stream(self) -> str:
-        return f"{self.prefix.upper()}_SCALE"
+        return f"{self.stream_prefix}_SCALE"
 
     @property
     def scaler_status(self) -> str:
@@ -151,7 +173,7 @@ class Subjects:
 
     @property
     def capture_stream(self) -> str:
-        return f"{self.prefix.upper()}_CAPTURE"
+        return f"{self.stream_prefix}_CAPTURE"
 
     def replay(self, model_id: str) -> str:
         """Results of `tollgate replay` runs against one model (JetStream)."""
@@ -163,4 +185,46 @@ class Subjects:
 
     @property
     def replay_stream(self) -> str:
-        return f"{self.prefix.upper()}_REPLAY"
+        return f"{self.stream_prefix}_REPLAY"
+
+    def arrivals(self, model_id: str) -> str:
+        """A small event per request entering a model's queue (no body): wakes the scaler."""
+        return f"{self.prefix}.arrivals.{model_token(model_id)}"
+
+    @property
+    def arrivals_all(self) -> str:
+        return f"{self.prefix}.arrivals.*"
+
+    @property
+    def audit(self) -> str:
+        """Changes to the whitelist and the signing keys (JetStream)."""
+        return f"{self.prefix}.audit.keys"
+
+    @property
+    def audit_stream(self) -> str:
+        return f"{self.stream_prefix}_AUDIT"
+
+    @property
+    def keys_bucket(self) -> str:
+        """The whitelist: key id -> key record."""
+        return self.bucket("keys")
+
+    @property
+    def signing_bucket(self) -> str:
+        """Public halves of the signing keys: kid -> signing-key record."""
+        return self.bucket("signing_keys")
+
+    @property
+    def spend_bucket(self) -> str:
+        """Tokens spent per key and budget period, counted by the auth ledger."""
+        return self.bucket("spend")
+
+    @property
+    def ratelimit_bucket(self) -> str:
+        """Requests and tokens per key and minute (routers, compare-and-set)."""
+        return self.bucket("ratelimits")
+
+    @property
+    def budget_bucket(self) -> str:
+        """Tokens reserved and used per key and budget period (routers, compare-and-set)."""
+        return self.bucket("budgets")

@@ -12,7 +12,8 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tollgate.subjects import Subjects
+from tollgate.wire.subjects import PREFIX_PATTERN, Subjects
+from tollgate.wire.topology import Topology
 
 
 def _env(name: str, *standard: str) -> AliasChoices:
@@ -24,7 +25,11 @@ class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOLLGATE_", extra="ignore", populate_by_name=True)
 
     nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL(s).")
-    subject_prefix: str = Field(default="tg", description="Prefix of every subject.")
+    subject_prefix: str = Field(
+        default="tg",
+        pattern=PREFIX_PATTERN.pattern,
+        description="Prefix of every subject, stream and key-value bucket.",
+    )
     catalog: Path | None = Field(
         default=None, description="Model catalog file; the packaged models.toml when unset."
     )
@@ -87,6 +92,10 @@ class CommonSettings(BaseSettings):
     @property
     def subjects(self) -> Subjects:
         return Subjects(self.subject_prefix, self.stream_replicas)
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.subjects)
 
     @property
     def model_cache_budget(self) -> int | None:

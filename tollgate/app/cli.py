@@ -12,8 +12,8 @@ import time
 from datetime import date, timedelta
 from typing import Any
 
-from tollgate.catalog import load_catalog
-from tollgate.settings import CommonSettings
+from tollgate.models.catalog import load_catalog
+from tollgate.runtime.settings import CommonSettings
 
 
 def _run_service(module: str, argv: list[str]) -> int:
@@ -24,12 +24,12 @@ def _run_service(module: str, argv: list[str]) -> int:
 
 
 def _up(ns: argparse.Namespace) -> int:
-    from tollgate.supervisor import AlreadyRunning, Stack
+    from tollgate.app.supervisor import AlreadyRunning, Stack
 
     common = CommonSettings()
     # The supervisor's own NATS client connects while nats-server is still
     # starting; its reconnect chatter is not for the operator's terminal.
-    logging.getLogger("tollgate.bus").setLevel(logging.ERROR)
+    logging.getLogger("tollgate.wire.bus").setLevel(logging.ERROR)
     catalog = load_catalog(common.catalog)
     models = ns.model or [next(iter(catalog.models))]
     for model in models:
@@ -53,7 +53,7 @@ def _up(ns: argparse.Namespace) -> int:
 
 
 def _models(ns: argparse.Namespace) -> int:
-    from tollgate.modelcli import run_models
+    from tollgate.app.modelcli import run_models
 
     return run_models(ns.action, ns.ids, fix=ns.fix)
 
@@ -96,14 +96,15 @@ def _limits(ns: argparse.Namespace) -> dict[str, Any]:
 async def _keys_async(ns: argparse.Namespace) -> int:
     import time
 
-    from tollgate import bus
-    from tollgate.keys import KeyStore, SigningKeySet, auth_dir, new_key
+    from tollgate.keys.store import KeyStore
+    from tollgate.keys.tokens import SigningKeySet, auth_dir
+    from tollgate.wire import bus
 
     common = CommonSettings()
     nc = await bus.connect(common.nats_url, name="tollgate-cli")
     try:
         store = await KeyStore(
-            nc.jetstream(), actor=f"cli:{getpass.getuser()}", replicas=common.subjects.replicas
+            nc.jetstream(), common.topology, actor=f"cli:{getpass.getuser()}"
         ).open()
         if ns.action == "create":
             signing = SigningKeySet(auth_dir(common.var_dir) / "signing-keys.json")
@@ -111,8 +112,7 @@ async def _keys_async(ns: argparse.Namespace) -> int:
                 print("error: no signing key here; start `tollgate up` first", file=sys.stderr)
                 return 1
             limits = _limits(ns)
-            token, record = new_key(signing, tenant=ns.tenant, ttl_s=ns.ttl, **limits)
-            await store.put(record, "create")
+            token, record = await store.create(signing, tenant=ns.tenant, ttl_s=ns.ttl, **limits)
             print(f"key id: {record.key_id}\ntenant: {record.tenant}")
             print(f"API key (shown once, store it now):\n{token}")
             return 0
@@ -129,20 +129,17 @@ async def _keys_async(ns: argparse.Namespace) -> int:
                     f"budget {r.budget_tokens}/{r.budget_period}  {r.name}"
                 )
             return 0
-        current = await store.get(ns.key_id)
-        if current is None:
+        if ns.action == "revoke":
+            changed = await store.revoke(ns.key_id)
+        else:
+            update = _limits(ns)
+            if ns.ttl is not False:
+                update["expires_at"] = None if ns.ttl is None else time.time() + ns.ttl
+            changed = await store.update(ns.key_id, lambda _: update)
+        if changed is None:
             print(f"error: no key {ns.key_id!r}", file=sys.stderr)
             return 1
-        if ns.action == "revoke":
-            await store.revoke(ns.key_id)
-            print(f"revoked {ns.key_id}")
-            return 0
-        update = _limits(ns)
-        if ns.ttl is not False:
-            update["expires_at"] = None if ns.ttl is None else time.time() + ns.ttl
-        changed = {**current.model_dump(), **update, "updated_at": time.time()}
-        await store.put(type(current).model_validate(changed))
-        print(f"updated {ns.key_id}")
+        print(f"{'revoked' if ns.action == 'revoke' else 'updated'} {ns.key_id}")
         return 0
     finally:
         await bus.close(nc)
@@ -153,8 +150,8 @@ def _keys(ns: argparse.Namespace) -> int:
 
 
 async def _query_async(ns: argparse.Namespace, sql: str, parameters: dict[str, Any]) -> int:
-    from tollgate import bus
     from tollgate.analytics import MeteringUnavailable, render, run_query
+    from tollgate.wire import bus
 
     common = CommonSettings()
     nc = await bus.connect(common.nats_url, name="tollgate-cli")
@@ -193,7 +190,7 @@ async def _scaler_status_async(as_json: bool) -> int:
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeoutError
 
-    from tollgate import bus
+    from tollgate.wire import bus
 
     common = CommonSettings()
     nc = await bus.connect(common.nats_url, name="tollgate-cli")
@@ -234,10 +231,10 @@ async def _replay_async(ns: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    from tollgate import bus
     from tollgate.analytics import MeteringUnavailable
-    from tollgate.keys import auth_dir
-    from tollgate.replay import ReplayError, replay
+    from tollgate.app.replay import ReplayError, replay
+    from tollgate.keys.tokens import auth_dir
+    from tollgate.wire import bus
 
     common = CommonSettings()
     api_key = ns.api_key or os.environ.get("TOLLGATE_API_KEY")

@@ -135,7 +135,7 @@ class Catalog(BaseModel):
 def load_catalog(path: Path | None = None) -> Catalog:
     """Read a catalog file; the packaged ``models.toml`` when ``path`` is None."""
     if path is None:
-        text = resources.files("tollgate").joinpath("models.toml").read_text()
+        text = resources.files("tollgate.models").joinpath("models.toml").read_text()
     else:
         text = Path(path).read_text()
     raw = tomllib.loads(text).get("models", {})

@@ -24,11 +24,11 @@ import aiohttp
 import orjson
 from nats.aio.client import Client as NATS
 
-from tollgate import codec
 from tollgate.analytics import run_query
-from tollgate.bus import ensure_capture_streams
-from tollgate.contracts import ReplayResult
-from tollgate.subjects import Subjects
+from tollgate.wire import codec
+from tollgate.wire.contracts import ReplayResult
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Topology
 
 SELECT_SQL = """
 SELECT request_id, model, endpoint, request_body, request_truncated, response_text,
@@ -218,9 +218,10 @@ async def replay(
     if found.error is not None:
         raise ReplayError(found.error)
     report = Report(uuid.uuid4().hex[:12], model, where)
-    await ensure_capture_streams(nc.jetstream(), subjects)
-    gate = asyncio.Semaphore(concurrency)
     js = nc.jetstream()
+    topology = Topology(subjects)
+    await topology.ensure_stream(js, topology.replay)
+    gate = asyncio.Semaphore(concurrency)
     # the router does not capture replayed requests again
     headers = {"Authorization": f"Bearer {api_key}", "X-Tollgate-Replay": "1"}
 

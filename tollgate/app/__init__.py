@@ -1,0 +1,4 @@
+"""The operator's application: the ``tollgate`` command, the local supervisor and replay.
+
+No service imports it.
+"""

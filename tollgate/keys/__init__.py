@@ -1,0 +1,1 @@
+"""API keys: records (the whitelist), tokens (signing, verification) and the store on the bus."""

@@ -1,0 +1,104 @@
+"""Key records: the whitelist entries, signing-key records and audit events.
+
+A key is a JWT (key id ``jti``, tenant ``sub``, ``iat``, optional ``exp``)
+signed with one of Tollgate's signing keys (``kid`` in its header). The
+whitelist maps key id -> :class:`KeyRecord`; the token itself is never stored,
+and a key is revoked by changing its record.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Algorithm = Literal["EdDSA", "RS256", "HS256"]
+
+
+BudgetPeriod = Literal["day", "month", "total"]
+
+
+def budget_window(period: str, now: float) -> str:
+    """The budget period a moment falls in: ``20261129`` (day), ``202611`` (month), ``total``."""
+    if period == "total":
+        return "total"
+    return time.strftime("%Y%m%d" if period == "day" else "%Y%m", time.gmtime(now))
+
+
+class KeyState(StrEnum):
+    ACTIVE = "active"
+    REVOKED = "revoked"
+    OVER_BUDGET = "over_budget"
+
+
+class KeyRecord(BaseModel):
+    """One whitelisted key; the value of ``tg_keys[key_id]``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["tg.key.v1"] = Field(default="tg.key.v1", description="Contract type id.")
+    key_id: str = Field(description="The token's jti.")
+    tenant: str = Field(description="Who pays (the token's sub).")
+    name: str = Field(default="", description="A label for people.")
+    models: list[str] = Field(
+        default_factory=lambda: ["*"], description="Model ids or globs the key may use."
+    )
+    rpm: int | None = Field(default=None, ge=1, description="Requests per minute, or none.")
+    tpm: int | None = Field(default=None, ge=1, description="Tokens per minute, or none.")
+    budget_tokens: int | None = Field(default=None, ge=1, description="Tokens per period.")
+    budget_period: BudgetPeriod | None = Field(default=None, description="Budget period.")
+    expires_at: float | None = Field(default=None, description="Unix expiry; none: never.")
+    capture: bool = Field(
+        default=False, description="Keep this key's requests and responses for analysis."
+    )
+    state: KeyState = Field(default=KeyState.ACTIVE, description="Lifecycle state.")
+    created_at: float = Field(default_factory=time.time, description="Unix creation time.")
+    updated_at: float = Field(default_factory=time.time, description="Unix time of last change.")
+
+    def allows(self, names: list[str]) -> bool:
+        """Whether any of a model's names (id, aliases) matches the key's models."""
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.models for name in names)
+
+    @property
+    def limited(self) -> bool:
+        """Whether any limit applies (unlimited keys skip the shared counters)."""
+        return (
+            self.rpm is not None
+            or self.tpm is not None
+            or (self.budget_tokens is not None and self.budget_period is not None)
+        )
+
+    def usable(self, now: float) -> bool:
+        return self.state is KeyState.ACTIVE and (self.expires_at is None or now < self.expires_at)
+
+
+class SigningKey(BaseModel):
+    """The public half of a signing key; the value of ``tg_signing_keys[kid]``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["tg.signing-key.v1"] = Field(
+        default="tg.signing-key.v1", description="Contract type id."
+    )
+    kid: str = Field(description="Key id, in every token's header.")
+    alg: Algorithm = Field(description="The one algorithm tokens of this key may use.")
+    public_pem: str | None = Field(default=None, description="PEM public key (none for HS256).")
+    retired: bool = Field(default=False, description="Retired keys no longer verify.")
+    created_at: float = Field(default_factory=time.time, description="Unix creation time.")
+
+
+class AuditEvent(BaseModel):
+    """A change to the whitelist or the signing keys, on ``tg.audit.keys``."""
+
+    type: Literal["tg.audit.v1"] = Field(default="tg.audit.v1", description="Contract type id.")
+    at: float = Field(default_factory=time.time, description="Unix time of the change.")
+    actor: str = Field(description="Who changed it (admin API, CLI user, service).")
+    action: str = Field(description="create, update, revoke, over_budget, rotate, retire, ...")
+    key_id: str | None = Field(default=None, description="The key changed, if any.")
+    kid: str | None = Field(default=None, description="The signing key changed, if any.")
+    record: dict[str, Any] | None = Field(
+        default=None, description="The record after the change (never a token)."
+    )

@@ -1,0 +1,1 @@
+"""The runtime every service shares: settings, logs, tracing, operations routes, service runner."""

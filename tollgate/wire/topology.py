@@ -1,0 +1,428 @@
+"""The bus, declared once: every stream, key-value bucket, durable consumer and subject.
+
+Everything is derived from the subject prefix and the replica count
+(:class:`~tollgate.wire.subjects.Subjects`), so two stacks with different
+prefixes share one NATS server without seeing each other's keys, work,
+usage or audit trail.
+
+Each entry names the roles that publish to it and the roles that read it.
+A service creates what it uses (:meth:`Topology.ensure` with its role), and
+the same table is what each service's NATS permissions are derived from.
+:func:`describe` renders it for ``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+
+from tollgate.wire.subjects import Subjects
+
+log = logging.getLogger("tollgate.topology")
+
+# How long a request may wait in a model's work queue at most. Routers give
+# up much sooner (their queue timeout); this only clears what nobody fetched.
+INFER_MAX_AGE_S = 600.0
+DEDUPE_WINDOW_S = 600.0
+
+
+class Role(StrEnum):
+    """The identities on the bus: one per service, plus the operator's tools."""
+
+    ROUTER = "router"
+    WORKER = "worker"
+    AUTH = "auth"
+    METERING = "metering"
+    SCALER = "scaler"
+    ADMIN = "admin"  # the tollgate command: keys, replay, sql, supervisor
+
+
+R = Role
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A JetStream stream: who writes to its subjects and who reads it."""
+
+    what: str
+    name: str
+    subjects: tuple[str, ...]
+    storage: StorageType
+    writers: frozenset[Role]
+    readers: frozenset[Role]
+    retention: RetentionPolicy = RetentionPolicy.LIMITS
+    max_age_s: float | None = None
+    duplicate_window_s: float | None = None
+
+    def config(self, replicas: int) -> StreamConfig:
+        return StreamConfig(
+            name=self.name,
+            subjects=list(self.subjects),
+            retention=self.retention,
+            storage=self.storage,
+            max_age=self.max_age_s,
+            duplicate_window=self.duplicate_window_s or 0.0,
+            num_replicas=replicas,
+        )
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """A JetStream key-value bucket: who writes it and who reads or watches it."""
+
+    what: str
+    name: str
+    storage: StorageType
+    writers: frozenset[Role]
+    readers: frozenset[Role]
+    history: int = 1
+    ttl_s: float | None = None
+
+    def config(self, replicas: int) -> KeyValueConfig:
+        return KeyValueConfig(
+            bucket=self.name,
+            storage=self.storage,
+            history=self.history,
+            ttl=self.ttl_s,
+            replicas=replicas,
+        )
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """A durable pull consumer: which stream, which subjects, which role reads it."""
+
+    what: str
+    stream: str
+    durable: str
+    filter_subject: str
+    reader: Role
+
+    def config(self, **tuning: Any) -> ConsumerConfig:
+        """The consumer's config; ``tuning`` sets ack wait, pending limits and the like."""
+        return ConsumerConfig(
+            durable_name=self.durable,
+            filter_subject=self.filter_subject,
+            ack_policy=AckPolicy.EXPLICIT,
+            **tuning,
+        )
+
+
+@dataclass(frozen=True)
+class SubjectSpec:
+    """A core NATS subject (no stream): fire-and-forget or request/reply."""
+
+    what: str
+    pattern: str
+    publishers: frozenset[Role]
+    subscribers: frozenset[Role]
+    request_reply: bool = False
+
+
+def _roles(*roles: Role) -> frozenset[Role]:
+    return frozenset(roles)
+
+
+class Topology:
+    """Every name and shape on the bus for one prefix."""
+
+    def __init__(self, subjects: Subjects) -> None:
+        self.subjects = s = subjects
+        self.replicas = subjects.replicas
+        self.usage = StreamSpec(
+            "usage events, one per accepted request",
+            s.usage_stream,
+            (s.usage_all,),
+            StorageType.FILE,
+            writers=_roles(R.ROUTER),
+            readers=_roles(R.METERING, R.AUTH),
+            duplicate_window_s=DEDUPE_WINDOW_S,
+        )
+        self.dead_letter = StreamSpec(
+            "usage messages metering could not read, with the reason",
+            s.dead_letter_stream,
+            (s.usage_dead_letter,),
+            StorageType.FILE,
+            writers=_roles(R.METERING),
+            readers=_roles(R.ADMIN),
+            duplicate_window_s=DEDUPE_WINDOW_S,
+        )
+        self.capture = StreamSpec(
+            "captured requests and responses, on their way to ClickHouse",
+            s.capture_stream,
+            (s.capture_all,),
+            StorageType.FILE,
+            writers=_roles(R.ROUTER),
+            readers=_roles(R.METERING),
+            max_age_s=86400.0,
+            duplicate_window_s=DEDUPE_WINDOW_S,
+        )
+        self.replay = StreamSpec(
+            "replay results, on their way to ClickHouse",
+            s.replay_stream,
+            (s.replay_all,),
+            StorageType.FILE,
+            writers=_roles(R.ADMIN),
+            readers=_roles(R.METERING),
+            max_age_s=86400.0,
+            duplicate_window_s=DEDUPE_WINDOW_S,
+        )
+        self.scale = StreamSpec(
+            "the scaler's decisions with their reasons",
+            s.scale_stream,
+            (s.scale_all,),
+            StorageType.FILE,
+            writers=_roles(R.SCALER),
+            readers=_roles(R.ADMIN),
+            max_age_s=30 * 86400.0,
+        )
+        self.audit = StreamSpec(
+            "every change to the whitelist and the signing keys",
+            s.audit_stream,
+            (s.audit,),
+            StorageType.FILE,
+            writers=_roles(R.AUTH, R.ADMIN),
+            readers=_roles(R.ADMIN),
+        )
+        self.keys = BucketSpec(
+            "the whitelist: key id -> key record",
+            s.keys_bucket,
+            StorageType.FILE,
+            writers=_roles(R.AUTH, R.ADMIN),
+            readers=_roles(R.ROUTER, R.AUTH, R.ADMIN),
+            history=5,
+        )
+        self.signing_keys = BucketSpec(
+            "public halves of the signing keys: kid -> record",
+            s.signing_bucket,
+            StorageType.FILE,
+            writers=_roles(R.AUTH, R.ADMIN),
+            readers=_roles(R.ROUTER, R.AUTH, R.ADMIN),
+            history=5,
+        )
+        self.spend = BucketSpec(
+            "tokens spent per key and budget period",
+            s.spend_bucket,
+            StorageType.FILE,
+            writers=_roles(R.AUTH),
+            readers=_roles(R.AUTH),
+        )
+        self.ratelimits = BucketSpec(
+            "requests and tokens per key and minute (compare-and-set)",
+            s.ratelimit_bucket,
+            StorageType.MEMORY,
+            writers=_roles(R.ROUTER),
+            readers=_roles(R.ROUTER),
+            ttl_s=120.0,
+        )
+        self.budgets = BucketSpec(
+            "tokens reserved and used per key and budget period (compare-and-set)",
+            s.budget_bucket,
+            StorageType.FILE,
+            writers=_roles(R.ROUTER),
+            readers=_roles(R.ROUTER),
+        )
+        self.metering_usage = ConsumerSpec(
+            "usage events into ClickHouse", s.usage_stream, "metering", s.usage_all, R.METERING
+        )
+        self.auth_budget = ConsumerSpec(
+            "usage events into the budget ledger",
+            s.usage_stream,
+            "auth-budget",
+            s.usage_all,
+            R.AUTH,
+        )
+        self.metering_capture = ConsumerSpec(
+            "captures into ClickHouse",
+            s.capture_stream,
+            "metering-capture",
+            s.capture_all,
+            R.METERING,
+        )
+        self.metering_replay = ConsumerSpec(
+            "replay results into ClickHouse",
+            s.replay_stream,
+            "metering-replay",
+            s.replay_all,
+            R.METERING,
+        )
+        p = s.prefix
+        self.core = (
+            SubjectSpec(
+                "response chunks to the router that holds the call",
+                f"{p}.reply.<router>.<request>",
+                _roles(R.WORKER),
+                _roles(R.ROUTER),
+            ),
+            SubjectSpec(
+                "cancel a running request",
+                f"{p}.cancel.<request>",
+                _roles(R.ROUTER),
+                _roles(R.WORKER),
+            ),
+            SubjectSpec(
+                "worker heartbeats (load, state, KV-cache use)",
+                f"{p}.workers.<model>",
+                _roles(R.WORKER),
+                _roles(R.ROUTER, R.SCALER, R.ADMIN),
+            ),
+            SubjectSpec(
+                "arrivals: one small event per request queued (no body)",
+                f"{p}.arrivals.<model>",
+                _roles(R.ROUTER),
+                _roles(R.SCALER),
+            ),
+            SubjectSpec(
+                "tell one worker to drain and exit",
+                f"{p}.control.drain.<worker>",
+                _roles(R.SCALER, R.ADMIN),
+                _roles(R.WORKER),
+            ),
+            SubjectSpec(
+                "read-only ClickHouse queries",
+                s.metering_query,
+                _roles(R.SCALER, R.ADMIN),
+                _roles(R.METERING),
+                request_reply=True,
+            ),
+            SubjectSpec(
+                "the scaler's view of every model",
+                s.scaler_status,
+                _roles(R.ADMIN),
+                _roles(R.SCALER),
+                request_reply=True,
+            ),
+        )
+
+    # -- per model ------------------------------------------------------------
+
+    def infer(self, model_id: str) -> StreamSpec:
+        """The work-queue stream of one model.
+
+        Requests live in memory: each belongs to an open client connection on
+        a router, so there is nothing to recover from disk after a NATS
+        restart. The duplicate window drops a request published twice.
+        """
+        return StreamSpec(
+            f"requests for {model_id} waiting for a worker",
+            self.subjects.infer_stream(model_id),
+            (self.subjects.infer(model_id),),
+            StorageType.MEMORY,
+            writers=_roles(R.ROUTER),
+            readers=_roles(R.WORKER, R.SCALER),
+            retention=RetentionPolicy.WORK_QUEUE,
+            max_age_s=INFER_MAX_AGE_S,
+            duplicate_window_s=120.0,
+        )
+
+    def workers(self, model_id: str) -> ConsumerSpec:
+        """The durable pull consumer that a model's workers share."""
+        return ConsumerSpec(
+            f"{model_id}'s workers",
+            self.subjects.infer_stream(model_id),
+            self.subjects.infer_consumer(model_id),
+            self.subjects.infer(model_id),
+            R.WORKER,
+        )
+
+    # -- the table ------------------------------------------------------------
+
+    @property
+    def streams(self) -> tuple[StreamSpec, ...]:
+        return (self.usage, self.dead_letter, self.capture, self.replay, self.scale, self.audit)
+
+    @property
+    def buckets(self) -> tuple[BucketSpec, ...]:
+        return (self.keys, self.signing_keys, self.spend, self.ratelimits, self.budgets)
+
+    @property
+    def consumers(self) -> tuple[ConsumerSpec, ...]:
+        return (self.metering_usage, self.auth_budget, self.metering_capture, self.metering_replay)
+
+    def used_by(self, role: Role | None) -> tuple[list[StreamSpec], list[BucketSpec]]:
+        """The streams and buckets a role writes or reads (all of them for ``None``)."""
+        streams = [s for s in self.streams if role is None or role in s.writers | s.readers]
+        buckets = [b for b in self.buckets if role is None or role in b.writers | b.readers]
+        return streams, buckets
+
+    # -- creating it ----------------------------------------------------------
+
+    async def ensure(
+        self, js: JetStreamContext, role: Role | None = None, models: Iterable[str] = ()
+    ) -> None:
+        """Create, or update to the declared shape, what ``role`` uses (everything: None).
+
+        Idempotent: every service calls it at start for its own part.
+        """
+        streams, buckets = self.used_by(role)
+        for spec in streams:
+            await self.ensure_stream(js, spec)
+        for bucket in buckets:
+            await self.bucket(js, bucket)
+        for model_id in models:
+            await self.ensure_stream(js, self.infer(model_id))
+
+    async def ensure_stream(self, js: JetStreamContext, spec: StreamSpec) -> None:
+        config = spec.config(self.replicas)
+        try:
+            await js.add_stream(config)
+        except BadRequestError:  # it exists with another shape: bring it to this one
+            await js.update_stream(config)
+
+    async def bucket(self, js: JetStreamContext, spec: BucketSpec) -> Any:
+        """The bucket's handle, created first when it does not exist."""
+        try:
+            return await js.key_value(spec.name)
+        except (BucketNotFoundError, NotFoundError):
+            return await js.create_key_value(spec.config(self.replicas))
+
+
+def describe(topology: Topology) -> str:
+    """The topology as a Markdown table (kept in ``docs/architecture.md``)."""
+
+    def who(roles: frozenset[Role]) -> str:
+        return ", ".join(sorted(r.value for r in roles))
+
+    model = "<model>"
+    infer = topology.infer(model)
+    rows = [
+        "| kind | name | subjects | writers | readers | what |",
+        "|---|---|---|---|---|---|",
+    ]
+    for spec in (infer, *topology.streams):
+        kind = "stream (work queue)" if spec.retention is RetentionPolicy.WORK_QUEUE else "stream"
+        rows.append(
+            f"| {kind}, {spec.storage.value} | `{spec.name}` | `{', '.join(spec.subjects)}` "
+            f"| {who(spec.writers)} | {who(spec.readers)} | {spec.what} |"
+        )
+    for bucket in topology.buckets:
+        rows.append(
+            f"| KV bucket, {bucket.storage.value} | `{bucket.name}` | | {who(bucket.writers)} "
+            f"| {who(bucket.readers)} | {bucket.what} |"
+        )
+    for consumer in (topology.workers(model), *topology.consumers):
+        rows.append(
+            f"| durable consumer | `{consumer.stream}/{consumer.durable}` "
+            f"| `{consumer.filter_subject}` | | {consumer.reader.value} | {consumer.what} |"
+        )
+    for subject in topology.core:
+        kind = "request/reply" if subject.request_reply else "core subject"
+        rows.append(
+            f"| {kind} | | `{subject.pattern}` | {who(subject.publishers)} "
+            f"| {who(subject.subscribers)} | {subject.what} |"
+        )
+    return "\n".join(rows).replace("_3Cmodel_3E", "<model>") + "\n"
