@@ -309,8 +309,10 @@ class HeartbeatWatch:
         ]
 
 
-async def wait_ready(url: str, model: str, count: int = 1, timeout: float = 300) -> None:
-    async with HeartbeatWatch(url, Subjects()) as watch:
+async def wait_ready(
+    url: str, model: str, count: int = 1, timeout: float = 300, subjects: Subjects | None = None
+) -> None:
+    async with HeartbeatWatch(url, subjects or Subjects()) as watch:
         await watch.wait_for(lambda _: len(watch.ready(model)) >= count, timeout)
 
 
