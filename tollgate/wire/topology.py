@@ -318,7 +318,7 @@ class Topology:
         restart. The duplicate window drops a request published twice.
         """
         return StreamSpec(
-            f"requests for {model_id} waiting for a worker",
+            f"requests for `{model_id}` waiting for a worker",
             self.subjects.infer_stream(model_id),
             (self.subjects.infer(model_id),),
             StorageType.MEMORY,
@@ -332,7 +332,7 @@ class Topology:
     def workers(self, model_id: str) -> ConsumerSpec:
         """The durable pull consumer that a model's workers share."""
         return ConsumerSpec(
-            f"{model_id}'s workers",
+            f"the workers of `{model_id}`",
             self.subjects.infer_stream(model_id),
             self.subjects.infer_consumer(model_id),
             self.subjects.infer(model_id),
@@ -426,3 +426,7 @@ def describe(topology: Topology) -> str:
             f"| {who(subject.subscribers)} | {subject.what} |"
         )
     return "\n".join(rows).replace("_3Cmodel_3E", "<model>") + "\n"
+
+
+if __name__ == "__main__":
+    print(describe(Topology(Subjects())), end="")

@@ -1,0 +1,67 @@
+"""The bus topology: complete, documented, idempotent to create."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.conftest import NatsServer
+from tollgate.wire import bus
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Role, Topology, describe
+
+DOC = Path(__file__).parents[2] / "docs" / "architecture.md"
+MARKED = re.compile(r"<!-- topology:begin -->\n(.*?)<!-- topology:end -->", re.S)
+
+
+def test_the_documented_table_is_the_topology() -> None:
+    found = MARKED.search(DOC.read_text())
+    assert found is not None, "docs/architecture.md lost its topology markers"
+    assert found.group(1) == describe(Topology(Subjects())), (
+        "docs/architecture.md is out of date: put the output of "
+        "`python -m tollgate.wire.topology` between its topology markers"
+    )
+
+
+def test_every_name_carries_the_prefix() -> None:
+    topology = Topology(Subjects("acme"))
+    for stream in (*topology.streams, topology.infer("m")):
+        assert stream.name.startswith("ACME_")
+        assert all(s.startswith("acme.") for s in stream.subjects)
+    for bucket in topology.buckets:
+        assert bucket.name.startswith("acme_")
+    for consumer in (*topology.consumers, topology.workers("m")):
+        assert consumer.filter_subject.startswith("acme.")
+    for subject in topology.core:
+        assert subject.pattern.startswith("acme.")
+
+
+def test_every_entry_has_a_writer_and_a_reader() -> None:
+    topology = Topology(Subjects())
+    for entry in (*topology.streams, *topology.buckets, topology.infer("m")):
+        assert entry.writers and entry.readers, entry.name
+    for subject in topology.core:
+        assert subject.publishers and subject.subscribers, subject.pattern
+    streams = {s.name: s for s in (*topology.streams, topology.infer("m"))}
+    for consumer in (*topology.consumers, topology.workers("m")):
+        assert consumer.reader in streams[consumer.stream].readers, consumer.durable
+
+
+async def test_ensure_is_idempotent_and_per_role(nats_server: NatsServer) -> None:
+    topology = Topology(Subjects("topo"))
+    nc = await bus.connect(nats_server.url, "test-topology")
+    js = nc.jetstream()
+    try:
+        await topology.ensure(js, Role.SCALER)
+        names = {s.config.name for s in await js.streams_info()}
+        assert "TOPO_SCALE" in names and "TOPO_USAGE" not in names
+        await topology.ensure(js, models=["some/model"])
+        await topology.ensure(js, models=["some/model"])  # again: no error, same shape
+        names = {s.config.name for s in await js.streams_info()}
+        expected = {s.name for s in topology.streams} | {topology.infer("some/model").name}
+        expected |= {f"KV_{b.name}" for b in topology.buckets}
+        assert expected <= names
+        info = await js.stream_info(topology.usage.name)
+        assert info.config.duplicate_window == topology.usage.duplicate_window_s
+    finally:
+        await nc.close()
