@@ -25,6 +25,7 @@ from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import SigningKeySet, auth_dir
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus
+from tollgate.wire.errors import error_json
 from tollgate.wire.topology import Role
 
 log = logging.getLogger("tollgate.auth")
@@ -39,8 +40,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def _error(status: int, message: str, code: str | None = None) -> web.Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+    body = error_json(message, kind, code=code)
+    return web.Response(status=status, body=body, content_type="application/json")
 
 
 def _json(value: Any, status: int = 200) -> web.Response:

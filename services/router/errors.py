@@ -10,6 +10,8 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from tollgate.wire import errors as wire_errors
+
 
 class TollgateError(Exception):
     status = 500
@@ -31,15 +33,8 @@ class TollgateError(Exception):
             self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict[str, object]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+    def body(self) -> wire_errors.ErrorBody:
+        return wire_errors.error_body(self.message, self.type, self.param, self.code)
 
 
 class InvalidRequest(TollgateError):

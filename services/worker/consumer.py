@@ -42,6 +42,7 @@ from tollgate.wire.contracts import (
     WorkerHeartbeat,
     WorkerState,
 )
+from tollgate.wire.errors import error_json
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Topology
 
@@ -348,15 +349,8 @@ class WorkerConsumer:
         except Exception:
             log.exception("engine failure")
             outcome = Outcome.ERROR
-            body = codec.dumps(
-                {
-                    "error": {
-                        "message": "The engine failed while serving the request.",
-                        "type": "InternalServerError",
-                        "param": None,
-                        "code": 500,
-                    }
-                }
+            body = error_json(
+                "The engine failed while serving the request.", "InternalServerError", code=500
             ).decode()
             await reply.send(ChunkKind.ERROR, data=body, status=500)
         finally:

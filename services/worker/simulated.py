@@ -29,6 +29,7 @@ from services.worker.engine import (
 )
 from tollgate.models.catalog import ModelEntry, SimulatedEngineConfig
 from tollgate.wire.contracts import Endpoint, Usage
+from tollgate.wire.errors import error_json
 
 _TEXT = (
     "Tollgate is a simulated engine reply. It streams one token at a time so that the "
@@ -39,8 +40,8 @@ _TEXT = (
 
 def _error(message: str, status: int = 400, param: str | None = None) -> ErrorResult:
     kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return ErrorResult(orjson.dumps(body).decode(), status)
+    # vLLM's serving layer puts the HTTP status in ``code``
+    return ErrorResult(error_json(message, kind, param, status).decode(), status)
 
 
 class SimulatedEngine:
