@@ -207,7 +207,9 @@ def interleaved_sweeps(
     return out
 
 
-def bench_gateway(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any]:
+def bench_gateway(
+    work: Path, env: dict[str, str], quick: bool, baseline: str | None = None
+) -> dict[str, Any]:
     print("gateway: simulated engine direct, through Tollgate, and with auth off", flush=True)
     with P.processes(work, env) as procs:
         port = P.free_port()
@@ -229,14 +231,26 @@ def bench_gateway(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any
         open_base = P.start_router(procs, nats, TOLLGATE_ROUTER_AUTH="false")
         P.start_worker(procs, nats, SIM)
         P.wait_http(f"http://127.0.0.1:{port}/readyz", 120)
-        out = interleaved_sweeps(
-            {
-                "direct": (f"http://127.0.0.1:{port}/v1/chat/completions", None),
-                "tollgate": (f"{base}/v1/chat/completions", headers),
-                "tollgate_auth_off": (f"{open_base}/v1/chat/completions", None),
-            },
-            quick,
-        )
+        targets = {
+            "direct": (f"http://127.0.0.1:{port}/v1/chat/completions", None),
+            "tollgate": (f"{base}/v1/chat/completions", headers),
+            "tollgate_auth_off": (f"{open_base}/v1/chat/completions", None),
+        }
+        if baseline is not None:
+            # The same stack from another revision, on its own NATS, measured in
+            # the same alternating rounds.
+            print(f"gateway: baseline revision {baseline}", flush=True)
+            tree = P.checkout(baseline, work / "baseline-tree")
+            old_work = work / "baseline"
+            old_work.mkdir()
+            old_nats = P.start_nats(procs)
+            old_headers = P.api_key(old_nats, old_work)
+            old_base = P.start_router(procs, old_nats, tree)
+            P.start_worker(procs, old_nats, SIM, tree)
+            targets["baseline"] = (f"{old_base}/v1/chat/completions", old_headers)
+        out = interleaved_sweeps(targets, quick)
+        if baseline is not None:
+            out["baseline_revision"] = baseline
         print("auth: revocation propagation to two routers", flush=True)
         second = P.start_router(procs, nats)
         out["revocation_ms"] = revocation_times(nats, work, [base, second], quick)
@@ -292,6 +306,11 @@ def main() -> None:
     parser.add_argument(
         "--only", choices=["inference", "gateway", "metering", "scaler", "registry"]
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="gateway: also measure the stack at git revision REV, side by side",
+    )
     ns = parser.parse_args()
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -309,7 +328,10 @@ def main() -> None:
             "TOLLGATE_LOG_LEVEL": "WARNING",
         }
         if ns.only in (None, "gateway"):
-            results["gateway"] = {**bench_gateway(work, env, ns.quick), "date": results["date"]}
+            results["gateway"] = {
+                **bench_gateway(work, env, ns.quick, ns.baseline),
+                "date": results["date"],
+            }
         if ns.only in (None, "metering"):
             from bench.metering import bench_ingest, bench_router_overhead
 

@@ -32,9 +32,13 @@ class Procs:
         self.env = {**os.environ, **env}
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def spawn(self, name: str, argv: list[str], **env: str) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, name: str, argv: list[str], cwd: Path | None = None, **env: str
+    ) -> subprocess.Popen[bytes]:
         log = (self.workdir / f"{name}.log").open("wb")
-        proc = subprocess.Popen(argv, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            argv, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT, cwd=cwd
+        )
         self.procs.append(proc)
         return proc
 
@@ -99,28 +103,44 @@ def api_key(nats_url: str, workdir: Path) -> dict[str, str]:
     return {"Authorization": f"Bearer {asyncio.run(make())}"}
 
 
-def start_router(procs: Procs, nats_url: str, **env: str) -> str:
+def checkout(rev: str, dest: Path) -> Path:
+    """The project's tree at git revision ``rev``, unpacked into ``dest``."""
+    root = Path(__file__).resolve().parents[1]
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", rev], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def code_env(tree: Path | None) -> dict[str, str]:
+    """Run a service from ``tree`` (another revision) with this environment's packages."""
+    return {} if tree is None else {"PYTHONPATH": str(tree)}
+
+
+def start_router(procs: Procs, nats_url: str, tree: Path | None = None, **env: str) -> str:
     port = free_port()
     procs.env["TOLLGATE_NATS_URL"] = nats_url
     procs.spawn(
-        f"router-{port}", [sys.executable, "-m", "services.router", "--port", str(port)], **env
+        f"router-{port}",
+        [sys.executable, "-m", "services.router", "--port", str(port)],
+        cwd=tree,
+        **code_env(tree),
+        **env,
     )
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/readyz", 30)
     return base
 
 
-def start_worker(procs: Procs, nats_url: str, model: str) -> None:
+def start_worker(procs: Procs, nats_url: str, model: str, tree: Path | None = None) -> None:
     procs.env["TOLLGATE_NATS_URL"] = nats_url
     procs.spawn(
-        f"worker-{model.replace('/', '_')}",
-        [
-            sys.executable,
-            "-m",
-            "services.worker",
-            "--model",
-            model,
-        ],
+        f"worker-{model.replace('/', '_')}-{free_port()}",
+        [sys.executable, "-m", "services.worker", "--model", model],
+        cwd=tree,
+        **code_env(tree),
     )
     asyncio.run(_wait_worker(nats_url, model))
 

@@ -90,8 +90,40 @@ def _gateway(r: dict[str, Any]) -> list[str]:
             f"{tl['requests_per_s']:.0f} | {tl['latency_p99_ms']:.1f} |"
         )
     lines.append("")
+    lines += _baseline(r)
     lines += _auth(r)
     return lines
+
+
+def _baseline(r: dict[str, Any]) -> list[str]:
+    if "baseline" not in r:
+        return []
+    new, old = r["tollgate"], r["baseline"]
+    rev = r.get("baseline_revision", "baseline")
+    rows = [
+        f"### This tree vs revision `{rev}`",
+        "",
+        f"The same gateway measurement for the stack at `{rev}` (router and worker run from "
+        "that revision's code, on their own NATS), in the same alternating rounds "
+        "(`python -m bench --only gateway --baseline REV`).",
+        "",
+        f"| metric | `{rev}` | this tree | this / `{rev}` |",
+        "|---|---|---|---|",
+    ]
+    for label, key in (
+        ("latency p50 at concurrency 1 (ms)", "latency_p50_ms"),
+        ("requests/s at concurrency 1", "requests_per_s"),
+    ):
+        a, b = old["c1"][key], new["c1"][key]
+        rows.append(f"| {label} | {a:.2f} | {b:.2f} | {_ratio(b, a)} |")
+    for ol, nl in zip(old["levels"], new["levels"], strict=True):
+        rows.append(
+            f"| requests/s at concurrency {nl['concurrency']} | {ol['requests_per_s']:.0f} | "
+            f"{nl['requests_per_s']:.0f} | {_ratio(nl['requests_per_s'], ol['requests_per_s'])} |"
+        )
+    a, b = old["rate_at_p99_50ms"], new["rate_at_p99_50ms"]
+    rows += [f"| peak requests/s (p99 ≤ 50 ms) | {a:.0f} | {b:.0f} | {_ratio(b, a)} |", ""]
+    return rows
 
 
 def _pct(values: list[float], q: float) -> float:
