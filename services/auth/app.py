@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from nats.aio.client import Client as NATS
 from pydantic import BaseModel, ValidationError
 
 from services.auth.admin import KeyAdmin, NotFoundError
@@ -23,6 +23,7 @@ from services.auth.settings import AuthSettings
 from tollgate.keys.records import KeyState
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import SigningKeySet, auth_dir
+from tollgate.runtime.ops import add_ops_routes
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus
 from tollgate.wire.errors import error_json
@@ -34,6 +35,7 @@ ADMIN = web.AppKey("admin", KeyAdmin)
 LEDGER = web.AppKey("ledger", BudgetLedger)
 ADMIN_TOKEN = web.AppKey("admin_token", str)
 METRICS = web.AppKey("metrics", AuthMetrics)
+BUS = web.AppKey("bus", NATS)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -119,19 +121,13 @@ async def retire_signing_key(request: web.Request) -> web.Response:
     return _json(key.model_dump(mode="json"))
 
 
-async def healthz(request: web.Request) -> web.Response:
-    return _json({"status": "ok"})
-
-
-async def metrics(request: web.Request) -> web.Response:
-    app_metrics = request.app[METRICS]
-    admin = request.app.get(ADMIN)
+async def count_keys(app: web.Application) -> None:
+    """Keys by state, counted just before each scrape rather than kept current."""
+    admin = app.get(ADMIN)
     if admin is not None:
         counts = Counter(record.state.value for record in await admin.list())
         for state in KeyState:
-            app_metrics.keys.labels(state.value).set(counts.get(state.value, 0))
-    body = generate_latest(app_metrics.registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+            app[METRICS].keys.labels(state.value).set(counts.get(state.value, 0))
 
 
 def create_app(settings: AuthSettings, common: CommonSettings) -> web.Application:
@@ -147,6 +143,7 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
 
     async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
         nc = await bus.connect(common.nats_url, name="auth")
+        app[BUS] = nc
         js = nc.jetstream()
         topology = common.topology
         await topology.ensure(js, Role.AUTH)
@@ -183,6 +180,10 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
     app.router.add_delete("/admin/keys/{key_id}", revoke_key)
     app.router.add_post("/admin/signing-keys/rotate", rotate_signing_key)
     app.router.add_post("/admin/signing-keys/{kid}/retire", retire_signing_key)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
+    add_ops_routes(
+        app,
+        app[METRICS].registry,
+        {"nats": lambda app: BUS in app and app[BUS].is_connected},
+        before_scrape=count_keys,
+    )
     return app

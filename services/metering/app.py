@@ -86,10 +86,10 @@ def create_app(
         await bus.close(nc)
         await asyncio.to_thread(store.close)
 
-    def ready(app: web.Application) -> bool:
+    def ingesting(app: web.Application) -> bool:
         ingest = app.get(INGEST)
         return ingest is not None and ingest.running
 
     app.cleanup_ctx.append(service_ctx)
-    add_ops_routes(app, metrics.registry, ready)
+    add_ops_routes(app, metrics.registry, {"ingest": ingesting})
     return app

@@ -36,6 +36,7 @@ from services.router.settings import RouterSettings
 from services.router.usage import Outbox, UsagePublisher
 from services.router.workers import WorkerView
 from tollgate.models.catalog import Catalog
+from tollgate.runtime.ops import Check, add_ops_routes
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus
 from tollgate.wire.topology import Role
@@ -122,7 +123,10 @@ def create_app(
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/v1/models/{model:.+}", handlers.get_model)
-    app.router.add_get("/healthz", handlers.healthz)
-    app.router.add_get("/readyz", handlers.readyz)
-    app.router.add_get("/metrics", handlers.metrics)
+    ready: dict[str, Check] = {
+        "nats": lambda app: DISPATCHER in app and app[DISPATCHER].nc.is_connected
+    }
+    if settings.auth:
+        ready["keys"] = lambda app: KEYS in app and app[KEYS].ready
+    add_ops_routes(app, metrics.registry, ready)
     return app

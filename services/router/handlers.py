@@ -10,11 +10,9 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.router.appkeys import (
     CATALOG,
-    DISPATCHER,
     KEYS,
     METRICS,
     SERVING,
@@ -270,24 +268,6 @@ async def get_model(request: web.Request) -> web.Response:
     if entry is None or not _visible(principal, entry):
         return error_response(ModelNotFound(name))
     return web.json_response(_model_card(entry, request.app[STARTED_AT]), dumps=_dumps)
-
-
-async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[METRICS].registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
-async def readyz(request: web.Request) -> web.Response:
-    nc = request.app[DISPATCHER].nc
-    if not nc.is_connected:
-        return error_response(ServiceUnavailable("Not connected to NATS."))
-    if request.app[SETTINGS].auth and not request.app[KEYS].ready:
-        return error_response(ServiceUnavailable("The key whitelist is not loaded yet."))
-    return web.json_response({"status": "ready"})
 
 
 def _dumps(value: Any) -> str:

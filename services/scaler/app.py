@@ -293,5 +293,5 @@ def create_app(
         await bus.close(nc)
 
     app.cleanup_ctx.append(service_ctx)
-    add_ops_routes(app, metrics.registry, lambda app: SCALER in app)
+    add_ops_routes(app, metrics.registry, {"scaler": lambda app: SCALER in app})
     return app

@@ -13,16 +13,11 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING
 
 from aiohttp import web
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    REGISTRY,
-    CollectorRegistry,
-    Counter,
-    generate_latest,
-)
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tollgate.runtime.ops import add_ops_routes
 from tollgate.wire.contracts import WorkerState
 
 if TYPE_CHECKING:
@@ -93,18 +88,6 @@ def create_http_app(
     state: Callable[[], WorkerState],
     drain: Callable[[], Awaitable[None]],
 ) -> web.Application:
-    async def healthz(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def readyz(request: web.Request) -> web.Response:
-        current = state()
-        ready = current is WorkerState.READY
-        return web.json_response({"state": current.value}, status=200 if ready else 503)
-
-    async def metrics_endpoint(request: web.Request) -> web.Response:
-        body = generate_latest(metrics.registry) + generate_latest(REGISTRY)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
     async def drain_endpoint(request: web.Request) -> web.Response:
         """Stop fetching and answer once in-flight requests are done.
 
@@ -116,7 +99,7 @@ def create_http_app(
     app = web.Application()
     app.router.add_get("/drain", drain_endpoint)
     app.router.add_post("/drain", drain_endpoint)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics_endpoint)
+    # ready = pulling from its model's work queue
+    pulling = {"pulling": lambda app: state() is WorkerState.READY}
+    add_ops_routes(app, [metrics.registry, REGISTRY], pulling)
     return app

@@ -191,3 +191,9 @@ def test_metrics_count_keys_by_state(admin: httpx.Client) -> None:
     assert set(after) == {"active", "over_budget", "revoked"}
     # Scraped without the admin credential, as Prometheus does.
     assert httpx.get(f"{str(admin.base_url).rstrip('/')}/metrics", timeout=5).status_code == 200
+
+
+def test_readiness_has_the_shape_every_service_uses(admin: httpx.Client) -> None:
+    ready = httpx.get(f"{str(admin.base_url).rstrip('/')}/readyz", timeout=5)
+    assert ready.status_code == 200
+    assert ready.json() == {"ready": True, "checks": {"nats": True}}

@@ -29,7 +29,8 @@ async def test_worker_metrics_count_what_it_served(
     async with httpx.AsyncClient() as http:
         assert (await http.get(f"{base}/healthz")).status_code == 200
         ready = await http.get(f"{base}/readyz")
-        assert ready.status_code == 200 and ready.json() == {"state": "ready"}
+        assert ready.status_code == 200
+        assert ready.json() == {"ready": True, "checks": {"pulling": True}}
         client = openai.AsyncOpenAI(base_url=f"{router_url}/v1", api_key=api_key, max_retries=0)
         replies = await asyncio.gather(
             *(
