@@ -112,7 +112,7 @@ def _baseline(r: dict[str, Any]) -> list[str]:
     ]
     for label, key in (
         ("latency p50 at concurrency 1 (ms)", "latency_p50_ms"),
-        ("requests/s at concurrency 1", "requests_per_s"),
+        ("latency p99 at concurrency 1 (ms)", "latency_p99_ms"),
     ):
         a, b = old["c1"][key], new["c1"][key]
         rows.append(f"| {label} | {a:.2f} | {b:.2f} | {_ratio(b, a)} |")
@@ -369,14 +369,40 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         f"- Command: `{results['command']}`",
         "",
     ]
-    if "inference" in results:
-        lines += _inference(results["inference"])
-    if "gateway" in results:
-        lines += _gateway(results["gateway"])
-    if "metering" in results:
-        lines += _metering(results["metering"])
-    if "scaler" in results:
-        lines += _scaler(results["scaler"])
-    if "registry" in results:
-        lines += _registry(results["registry"])
+    earlier = _sections(path.read_text()) if path.exists() else []
+    for part, render in _PARTS.items():
+        if part in results:
+            lines += render(results[part])
+        else:  # not measured in this run: keep what the page had
+            titles = _PART_TITLES[part]
+            for title, text in earlier:
+                if title.startswith(titles):
+                    lines += text
     path.write_text("\n".join(lines))
+
+
+_PARTS = {
+    "inference": _inference,
+    "gateway": _gateway,
+    "metering": _metering,
+    "scaler": _scaler,
+    "registry": _registry,
+}
+_PART_TITLES = {
+    "inference": ("Inference",),
+    "gateway": ("Gateway", "Auth"),
+    "metering": ("Metering",),
+    "scaler": ("Scaler",),
+    "registry": ("Model registry",),
+}
+
+
+def _sections(text: str) -> list[tuple[str, list[str]]]:
+    """The page's ``## `` sections: (title, lines) in order."""
+    found: list[tuple[str, list[str]]] = []
+    for line in text.split("\n"):
+        if line.startswith("## "):
+            found.append((line[3:], []))
+        if found:
+            found[-1][1].append(line)
+    return found
