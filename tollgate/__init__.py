@@ -1,8 +1,11 @@
 """Tollgate: one OpenAI-compatible endpoint for self-hosted LLMs.
 
-This package is the small library every service shares: wire contracts,
-subject names, settings, the NATS connection helper, the model catalog and
-logging. Services import it; it never imports a service.
+The library every service shares, in layers (each imports only those below
+it; import-linter checks this): ``wire`` (contracts, subjects, codec, NATS
+helpers, the bus topology), ``runtime`` (settings, logs, tracing, operations
+routes), the domain libraries ``keys``, ``models`` and ``analytics``, and on
+top the operator's application ``app`` (the ``tollgate`` command), which no
+service imports.
 """
 
 __version__ = "0.1.0"
