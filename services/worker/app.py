@@ -130,7 +130,7 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     lease = hold_entry(engine.model_path)
     metrics = WorkerMetrics()
     consumer = WorkerConsumer(nc, engine, settings, common.subjects, entry.id, metrics)
-    metrics.watch(consumer)
+    metrics.watch(consumer.heartbeat)
 
     async def drain() -> None:
         consumer.stopped.set()  # run_worker drains; answer once nothing is in flight

@@ -168,9 +168,10 @@ class WorkerConsumer:
 
     # -- heartbeats --------------------------------------------------------
 
-    async def _send_heartbeat(self) -> None:
+    def heartbeat(self) -> WorkerHeartbeat:
+        """This worker's state and load now: what it beats, and what its /metrics show."""
         stats = self.engine.stats()
-        beat = WorkerHeartbeat(
+        return WorkerHeartbeat(
             worker_id=self.worker_id,
             model=self.model_id,
             engine=self.engine.name,
@@ -184,6 +185,9 @@ class WorkerConsumer:
             startup_s=self.startup_s,
             startup_parts=self.startup_parts or None,
         )
+
+    async def _send_heartbeat(self) -> None:
+        beat = self.heartbeat()
         with contextlib.suppress(Exception):  # a beat lost to a reconnect is not fatal
             await self.nc.publish(self.subjects.heartbeat(self.model_id), codec.encode(beat))
 

@@ -10,7 +10,6 @@ requests, token counts), which vLLM keeps in the default registry.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
@@ -18,10 +17,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tollgate.runtime.ops import add_ops_routes
-from tollgate.wire.contracts import WorkerState
-
-if TYPE_CHECKING:
-    from services.worker.consumer import WorkerConsumer
+from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
 
 
 class WorkerMetrics:
@@ -40,19 +36,18 @@ class WorkerMetrics:
             registry=self.registry,
         )
 
-    def watch(self, consumer: WorkerConsumer) -> None:
-        """Gauges read from the consumer and its engine at each scrape."""
-        self.registry.register(_LoadCollector(consumer))
+    def watch(self, load: Callable[[], WorkerHeartbeat]) -> None:
+        """Gauges read at each scrape from ``load()``: the numbers the worker also beats."""
+        self.registry.register(_LoadCollector(load))
 
 
 class _LoadCollector(Collector):
-    def __init__(self, consumer: WorkerConsumer) -> None:
-        self.consumer = consumer
+    def __init__(self, load: Callable[[], WorkerHeartbeat]) -> None:
+        self.load = load
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        c = self.consumer
-        stats = c.engine.stats()
-        model = c.model_id
+        beat = self.load()
+        model = beat.model
 
         def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name, doc, labels=["model"])
@@ -60,26 +55,26 @@ class _LoadCollector(Collector):
                 family.add_metric([model], value)
             return family
 
-        yield gauge("tollgate_worker_slots_used", "Requests running.", len(c.inflight))
-        yield gauge("tollgate_worker_slots_total", "Most requests at once.", c.engine.slots_total)
-        yield gauge("tollgate_worker_requests_waiting", "Waiting inside the engine.", stats.waiting)
+        yield gauge("tollgate_worker_slots_used", "Requests running.", beat.slots_used)
+        yield gauge("tollgate_worker_slots_total", "Most requests at once.", beat.slots_total)
+        yield gauge("tollgate_worker_requests_waiting", "Waiting inside the engine.", beat.queue)
         yield gauge(
-            "tollgate_worker_kv_cache_usage_ratio", "KV cache in use, 0..1.", stats.kv_cache_usage
+            "tollgate_worker_kv_cache_usage_ratio", "KV cache in use, 0..1.", beat.kv_cache_usage
         )
-        yield gauge("tollgate_worker_startup_seconds", "Process start to ready.", c.startup_s)
+        yield gauge("tollgate_worker_startup_seconds", "Process start to ready.", beat.startup_s)
         parts = GaugeMetricFamily(
             "tollgate_worker_startup_part_seconds",
             "Time-to-ready by part: process, fetch, convert, engine, warmup.",
             labels=["model", "part"],
         )
-        for part, seconds in c.startup_parts.items():
+        for part, seconds in (beat.startup_parts or {}).items():
             parts.add_metric([model, part], seconds)
         yield parts
         state = GaugeMetricFamily(
             "tollgate_worker_state", "1 for the current lifecycle state.", labels=["model", "state"]
         )
         for s in WorkerState:
-            state.add_metric([model, s.value], 1.0 if c.state is s else 0.0)
+            state.add_metric([model, s.value], 1.0 if beat.state is s else 0.0)
         yield state
 
 
