@@ -110,26 +110,15 @@ class Capturer:
         text, body = reassemble(endpoint, event.streamed, pieces)
         text, text_cut = _cut(text, self.max_bytes)
         response, body_cut = _cut(orjson.dumps(body).decode() if body else "", self.max_bytes)
-        capture = CaptureEvent(
-            request_id=event.request_id,
-            time=event.time,
-            tenant=event.tenant,
-            key_id=event.key_id,
-            model=event.model,
+        capture = CaptureEvent.from_usage(
+            event,
             endpoint=endpoint.value,
-            streamed=event.streamed,
             request_body=request_text,
             request_truncated=request_cut,
             response_text=text,
             response_body=response,
             response_truncated=text_cut or body_cut,
             finish_reason=finish_reason,
-            outcome=event.outcome,
-            http_status=event.http_status,
-            prompt_tokens=event.prompt_tokens,
-            completion_tokens=event.completion_tokens,
-            ttft_s=event.ttft_s,
-            total_s=event.total_s,
         )
         task = asyncio.create_task(self._publish(capture))
         self._tasks.add(task)

@@ -212,6 +212,18 @@ class CaptureEvent(_Contract):
     ttft_s: float | None = Field(default=None, description="Seconds until the first output.")
     total_s: float = Field(description="Seconds from arrival to the end.")
 
+    @classmethod
+    def from_usage(cls, event: UsageEvent, **fields: Any) -> CaptureEvent:
+        """The capture of the request ``event`` bills.
+
+        Every field the two contracts share by name (request, tenant, model,
+        outcome, status, tokens, timings) comes from the usage event, so the
+        capture row always agrees with the usage row; ``fields`` give the rest
+        (endpoint, bodies, ...) and win over the shared ones.
+        """
+        shared = (cls.model_fields.keys() & UsageEvent.model_fields.keys()) - {"type"}
+        return cls(**{**{name: getattr(event, name) for name in shared}, **fields})
+
 
 class ReplayResult(_Contract):
     """One captured request sent again to a model, compared with the original (``tg.replay.*``)."""
