@@ -3,33 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-
-import uvloop
-from aiohttp import web
+import sys
 
 from services.auth.app import create_app
 from services.auth.settings import AuthSettings
-from tollgate.runtime.logs import setup_logging
-from tollgate.runtime.settings import CommonSettings
+from tollgate.runtime.service import cli_overrides, run_service
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tollgate auth", description=__doc__)
     parser.add_argument("--port", type=int)
-    ns = parser.parse_args(argv)
-    settings = AuthSettings(**({"port": ns.port} if ns.port else {}))
-    common = CommonSettings()
-    setup_logging("auth", common.log_level)
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    web.run_app(
-        create_app(settings, common),
-        host=settings.host,
-        port=settings.port,
-        access_log=None,
-        print=None,
+    settings = AuthSettings(**cli_overrides(parser.parse_args(argv), "port"))
+    return run_service(
+        "auth", lambda common: create_app(settings, common), host=settings.host, port=settings.port
     )
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

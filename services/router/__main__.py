@@ -3,44 +3,29 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-
-import uvloop
-from aiohttp import web
+import sys
 
 from services.router.app import create_app
 from services.router.settings import RouterSettings
 from tollgate.models.catalog import load_catalog
-from tollgate.runtime import tracing
-from tollgate.runtime.logs import setup_logging
-from tollgate.runtime.settings import CommonSettings
+from tollgate.runtime.service import cli_overrides, run_service
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tollgate router", description=__doc__)
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
-    ns = parser.parse_args(argv)
-    overrides = {k: v for k, v in (("host", ns.host), ("port", ns.port)) if v is not None}
-    settings = RouterSettings(**overrides)
-    common = CommonSettings()
-    setup_logging("router", common.log_level)
-    tracing.setup_tracing("router")
-    app = create_app(settings, common, load_catalog(common.catalog))
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    # aiohttp's run_app stops taking connections on SIGTERM/SIGINT and waits
-    # for in-flight requests (shutdown_timeout) before the cleanup contexts
-    # drain NATS.
-    web.run_app(
-        app,
+    settings = RouterSettings(**cli_overrides(parser.parse_args(argv), "host", "port"))
+    return run_service(
+        "router",
+        lambda common: create_app(settings, common, load_catalog(common.catalog)),
         host=settings.host,
         port=settings.port,
-        access_log=None,
-        print=None,
+        # on SIGTERM a request in flight gets its whole timeout before NATS is drained
         shutdown_timeout=settings.request_timeout_s,
+        traced=True,
     )
-    tracing.shutdown()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
