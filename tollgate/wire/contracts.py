@@ -71,11 +71,39 @@ class Usage(_Contract):
 
 
 class Outcome(StrEnum):
+    """How a request ended: on a worker's END chunk, and in every usage row.
+
+    A worker sets the first five on its END chunk; the router sets the others
+    for endings a worker cannot see. The values are stored in usage rows
+    (``docs/analytics.md`` explains each): a value is added, never renamed or
+    given another meaning.
+    """
+
+    # A worker's END chunk (and the usage row, when the router saw the end too):
     COMPLETED = "completed"  # the serving layer finished the response
     CANCELLED = "cancelled"  # the router cancelled (client gone or deadline)
     EXPIRED = "expired"  # dropped before start: start_by had passed
     ERROR = "error"  # the serving layer returned an error response
     DRAINED = "drained"  # never run because the worker was shutting down
+    # Only in usage rows, set by the router:
+    CLIENT_DISCONNECTED = "client_disconnected"  # the client went away before the end
+    WORKER_LOST = "worker_lost"  # the worker stopped heartbeating, or its chunks broke off
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # the request ran past its deadline
+    NO_CAPACITY = "no_capacity"  # no worker took it within the queue timeout (503)
+    NOT_DISPATCHED = "not_dispatched"  # the model's queue could not be reached (503)
+    LOST = "lost"  # the worker's final report never came (after an error response)
+    INTERNAL_ERROR = "internal_error"  # the router failed while relaying (500)
+
+    @classmethod
+    def _missing_(cls, value: object) -> Outcome | None:
+        # A reader older than the writer keeps an outcome it does not know, as
+        # it is: a usage event is billed, never refused for a new value.
+        if not isinstance(value, str):
+            return None
+        member = str.__new__(cls, value)
+        member._name_ = "UNKNOWN"
+        member._value_ = value
+        return member
 
 
 class ResponseChunk(_Contract):
@@ -151,7 +179,10 @@ class UsageEvent(_Contract):
     worker_id: str | None = Field(default=None, description="Worker that ran it, if any.")
     prompt_tokens: int = Field(description="Prompt tokens, as the engine counted them.")
     completion_tokens: int = Field(description="Completion tokens, as the engine counted them.")
-    outcome: str = Field(description="completed, cancelled, error, expired, worker_lost, ...")
+    outcome: Outcome = Field(
+        description="How it ended (completed, client_disconnected, worker_lost, ...); the "
+        "wire value is the enum's string."
+    )
     finish_reason: str | None = Field(default=None, description="stop, length, ... when known.")
     streamed: bool = Field(description="Whether the client asked for a stream.")
     queue_s: float | None = Field(default=None, description="Seconds until a worker took it.")
