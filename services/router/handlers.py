@@ -1,8 +1,11 @@
-"""HTTP handlers: a few lines each, JSON or SSE. The logic is in serving.py."""
+"""HTTP handlers: a few lines each, JSON or SSE.
+
+The logic is in serving.py; how an accepted call ends (its cancel, its usage
+event) is owned by lifecycle.CallLife, which the call handlers enter.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -30,11 +33,11 @@ from services.router.errors import (
     error_response,
     sse_error_event,
 )
-from services.router.serving import KEEPALIVE, OpenAIServing, Prepared
+from services.router.lifecycle import CallLife, ClientGone, Keepalive
 from tollgate.models.catalog import ModelEntry
 from tollgate.runtime import tracing
 from tollgate.runtime.logs import request_id_var
-from tollgate.wire.contracts import ChunkKind, Endpoint, ResponseChunk
+from tollgate.wire.contracts import ChunkKind, Endpoint
 
 log = logging.getLogger("tollgate.router")
 
@@ -42,10 +45,6 @@ REPLAY_HEADER = "X-Tollgate-Replay"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
 _DONE_TEXT = "data: [DONE]"
-
-
-class ClientGone(Exception):
-    """The client closed the connection."""
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -127,53 +126,41 @@ async def _serve_call(
             request.app[METRICS].rejected.labels(exc.code or exc.type).inc()
         log.info("request refused", extra={"status": exc.status, "code": exc.code or exc.type})
         return error_response(exc, request_id)
+    life = serving.life(call, prepared)
     if prepared.stream:
-        return await _stream(request, serving, prepared, call)
-    return await _full(request, serving, prepared, call)
+        return await _stream(request, life)
+    return await _full(request, life)
 
 
-async def _full(
-    request: web.Request, serving: OpenAIServing, prepared: Prepared, call: Call
-) -> web.StreamResponse:
-    request_id = call.request.request_id
-    status, body, end = 200, b"", None
+async def _full(request: web.Request, life: CallLife) -> web.StreamResponse:
+    request_id = life.call.request.request_id
+    body = b""
     try:
-        async for item in serving.events(call, prepared):
-            if item is KEEPALIVE:
-                if _closing(request):
-                    raise ClientGone
-                continue
-            assert isinstance(item, ResponseChunk)
-            if item.kind is ChunkKind.END:
-                end = item
-            elif item.data is not None:
-                body, status = item.data.encode(), item.status or 200
+        async with life:
+            async for item in life.events():
+                if isinstance(item, Keepalive):
+                    if _closing(request):
+                        raise ClientGone
+                    continue
+                if item.kind is not ChunkKind.END and item.data is not None:
+                    body, life.status = item.data.encode(), item.status or 200
     except TollgateError as exc:
-        await serving.cancel(call, exc.code or "error")
-        serving.finish_later(call, prepared, None, exc.status, exc.code)
         return error_response(exc, request_id)
-    except (ClientGone, asyncio.CancelledError) as exc:
-        await serving.cancel(call, "client_disconnected")
-        serving.finish_later(call, prepared, None, 499, "client_disconnected")
-        if isinstance(exc, asyncio.CancelledError):
-            raise
+    except ClientGone:
         return _gone(request_id)
-    serving.finish_later(call, prepared, end, status)
     return web.Response(
-        status=status,
+        status=life.status,
         body=body,
         content_type="application/json",
-        headers=_headers(call),
+        headers=_headers(life.call),
     )
 
 
-async def _stream(
-    request: web.Request, serving: OpenAIServing, prepared: Prepared, call: Call
-) -> web.StreamResponse:
+async def _stream(request: web.Request, life: CallLife) -> web.StreamResponse:
+    call = life.call
     request_id = call.request.request_id
     response: web.StreamResponse | None = None
-    status, end = 200, None
-    inter_token = request.app[METRICS].inter_token.labels(prepared.entry.id)
+    inter_token = request.app[METRICS].inter_token.labels(call.request.model)
     last_output: float | None = None
 
     async def open_stream() -> web.StreamResponse:
@@ -183,46 +170,41 @@ async def _stream(
         return stream
 
     try:
-        async for item in serving.events(call, prepared):
-            if item is KEEPALIVE:
-                if _closing(request):
-                    raise ClientGone
+        async with life:
+            async for item in life.events():
+                if isinstance(item, Keepalive):
+                    if _closing(request):
+                        raise ClientGone
+                    if response is None:
+                        response = await open_stream()
+                    # An SSE comment: clients ignore it, proxies see a live connection.
+                    await response.write(b": waiting\n\n" if call.worker_id is None else b": \n\n")
+                    continue
+                if item.kind is ChunkKind.END:
+                    break
+                if item.kind is ChunkKind.ERROR and response is None:
+                    # The error came before any output: send it with its own status,
+                    # as vllm serve does.
+                    life.status = item.status or 500
+                    return web.Response(
+                        status=life.status,
+                        body=(item.data or "").encode(),
+                        content_type="application/json",
+                        headers=_headers(call),
+                    )
                 if response is None:
                     response = await open_stream()
-                # An SSE comment: clients ignore it, proxies see a live connection.
-                await response.write(b": waiting\n\n" if call.worker_id is None else b": \n\n")
-                continue
-            assert isinstance(item, ResponseChunk)
-            if item.kind is ChunkKind.END:
-                end = item
-                break
-            if item.kind is ChunkKind.ERROR and response is None:
-                # The error came before any output: send it with its own status,
-                # as vllm serve does.
-                status = item.status or 500
-                serving.finish_later(call, prepared, None, status)
-                body = (item.data or "").encode()
-                return web.Response(
-                    status=status,
-                    body=body,
-                    content_type="application/json",
-                    headers=_headers(call),
-                )
-            if response is None:
-                response = await open_stream()
-            if item.kind is ChunkKind.DATA and not (item.data or "").startswith(_DONE_TEXT):
-                now = time.monotonic()
-                if last_output is not None:
-                    inter_token.observe(now - last_output)
-                last_output = now
-            data = item.data or ""
-            if item.kind is ChunkKind.ERROR:
-                # The engine failed mid-stream: end the stream as vLLM does.
-                data = f"data: {data}\n\ndata: [DONE]\n\n"
-            await response.write(data.encode())
+                if item.kind is ChunkKind.DATA and not (item.data or "").startswith(_DONE_TEXT):
+                    now = time.monotonic()
+                    if last_output is not None:
+                        inter_token.observe(now - last_output)
+                    last_output = now
+                data = item.data or ""
+                if item.kind is ChunkKind.ERROR:
+                    # The engine failed mid-stream: end the stream as vLLM does.
+                    data = f"data: {data}\n\ndata: [DONE]\n\n"
+                await response.write(data.encode())
     except TollgateError as exc:
-        await serving.cancel(call, exc.code or "error")
-        serving.finish_later(call, prepared, None, exc.status, exc.code)
         if response is None:
             return error_response(exc, request_id)
         try:
@@ -230,13 +212,8 @@ async def _stream(
         except ConnectionResetError:
             pass
         return response
-    except (ClientGone, ConnectionResetError, asyncio.CancelledError) as exc:
-        await serving.cancel(call, "client_disconnected")
-        serving.finish_later(call, prepared, None, 499, "client_disconnected")
-        if isinstance(exc, asyncio.CancelledError):
-            raise
+    except (ClientGone, ConnectionResetError):
         return response if response is not None else _gone(request_id)
-    serving.finish_later(call, prepared, end, status)
     assert response is not None
     await response.write_eof()
     return response

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -22,6 +22,7 @@ from services.router.errors import (
     ServiceUnavailable,
     WorkerLost,
 )
+from services.router.lifecycle import KEEPALIVE, CallLife, Ending, Keepalive
 from services.router.limits import Limiter
 from services.router.metrics import RouterMetrics
 from services.router.protocol import ChatCompletionBody, CompletionBody
@@ -41,12 +42,6 @@ from tollgate.wire.contracts import (
 
 log = logging.getLogger("tollgate.router")
 
-
-class _Keepalive:
-    """Yielded by :meth:`OpenAIServing.events` when a wait passes with no chunk."""
-
-
-KEEPALIVE: Final = _Keepalive()
 
 _BODY_MODELS: dict[Endpoint, type[ChatCompletionBody] | type[CompletionBody]] = {
     Endpoint.CHAT: ChatCompletionBody,
@@ -166,7 +161,7 @@ class OpenAIServing:
                         model=prepared.entry.id,
                         prompt_tokens=0,
                         completion_tokens=0,
-                        outcome="not_dispatched",
+                        outcome=Outcome.NOT_DISPATCHED,
                         streamed=prepared.stream,
                         total_s=0.0,
                         http_status=exc.status,
@@ -209,7 +204,7 @@ class OpenAIServing:
 
     async def events(
         self, call: Call, prepared: Prepared
-    ) -> AsyncIterator[ResponseChunk | _Keepalive]:
+    ) -> AsyncIterator[ResponseChunk | Keepalive]:
         """The call's chunks in order, until END.
 
         Yields KEEPALIVE when a wait passes without a chunk (so the handler can
@@ -274,19 +269,22 @@ class OpenAIServing:
             if kind is ChunkKind.END:
                 return
 
-    async def cancel(self, call: Call, reason: str) -> None:
-        await self.dispatcher.cancel(call, reason)
+    def life(self, call: Call, prepared: Prepared) -> CallLife:
+        """The owner of an accepted call until it ends (see lifecycle.py).
 
-    def finish_later(
-        self,
-        call: Call,
-        prepared: Prepared,
-        end: ResponseChunk | None,
-        status: int,
-        outcome: str | None = None,
-    ) -> None:
+        It cancels the call once when it does not run to its end, and finishes
+        it once (:meth:`finish`), whatever way the handler leaves.
+        """
+        return CallLife(
+            call,
+            events=lambda: self.events(call, prepared),
+            cancel=self.dispatcher.cancel,
+            finish=lambda ending: self._finish_later(call, prepared, ending),
+        )
+
+    def _finish_later(self, call: Call, prepared: Prepared, ending: Ending) -> None:
         """Finish the call after the response has gone out (never delays the client)."""
-        task = asyncio.create_task(self.finish(call, prepared, end, status, outcome))
+        task = asyncio.create_task(self.finish(call, prepared, ending))
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
 
@@ -294,20 +292,14 @@ class OpenAIServing:
         if self._finishing:
             await asyncio.wait(self._finishing, timeout=timeout)
 
-    async def finish(
-        self,
-        call: Call,
-        prepared: Prepared,
-        end: ResponseChunk | None,
-        status: int,
-        outcome: str | None = None,
-    ) -> None:
-        """The call is over: settle its reservation and emit its usage event.
+    async def finish(self, call: Call, prepared: Prepared, ending: Ending) -> None:
+        """The call is over: emit its usage event and settle its reservation.
 
         When the client went away before the end, the worker still reports the
         tokens it generated; wait briefly for that report so billing stays exact.
         """
-        if end is None and call.worker_id is not None and outcome != "worker_lost":
+        end, outcome = ending.end, ending.outcome
+        if end is None and call.worker_id is not None and outcome is not Outcome.WORKER_LOST:
             end = await self._late_end(call)
         self.dispatcher.finish(call)
         if end is not None and end.usage is not None:
@@ -316,9 +308,7 @@ class OpenAIServing:
             # No final report (the worker died): bill what was relayed.
             usage = call.delivered or Usage()
         if outcome is None:
-            outcome = end.outcome.value if end is not None and end.outcome else "lost"
-        if call.reservation is not None and self.limiter is not None:
-            await self.limiter.settle(call.reservation, usage.total_tokens)
+            outcome = end.outcome if end is not None and end.outcome else Outcome.LOST
         request = call.request
         now = time.monotonic()
         event = UsageEvent(
@@ -336,16 +326,23 @@ class OpenAIServing:
             queue_s=_since(call.submitted_at, call.started_at),
             ttft_s=_since(call.submitted_at, call.first_output_at),
             total_s=now - call.submitted_at,
-            http_status=status,
+            http_status=ending.status,
         )
+        # The event first: settling waits on the bus, and a shutdown that cuts
+        # this task short must not cost the usage event.
         self._record(event)
         if call.captured is not None and self.capturer is not None:
             self.capturer.emit(
                 event, prepared.endpoint, prepared.body, call.captured, event.finish_reason
             )
+        if call.reservation is not None and self.limiter is not None:
+            await self.limiter.settle(call.reservation, usage.total_tokens)
         log.info(
             "request done",
-            extra={"request_id": request.request_id, **event.model_dump(exclude={"type", "time"})},
+            extra={
+                "request_id": request.request_id,
+                **event.model_dump(mode="json", exclude={"type", "time"}),
+            },
         )
 
     def _record(self, event: UsageEvent) -> None:

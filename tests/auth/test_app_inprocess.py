@@ -1,0 +1,110 @@
+"""The auth service's admin API, in process, on a real nats-server.
+
+The app comes from its factory (``create_app``) on aiohttp's test server, under
+a subject prefix of its own; each change is checked where it lands: the key
+bucket and the audit stream.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from pydantic import SecretStr
+
+from services.auth.app import create_app
+from services.auth.settings import AuthSettings
+from tests.conftest import NatsServer
+from tests.lib.streams import read_subject
+from tollgate.keys.records import AuditEvent, KeyState
+from tollgate.keys.store import KeyStore
+from tollgate.runtime.settings import CommonSettings
+from tollgate.wire import bus
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Topology
+
+ADMIN_TOKEN = "tga-in-process-test"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture
+async def subjects() -> Subjects:
+    return Subjects(f"auth-{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+async def client(
+    nats_server: NatsServer, tmp_path: Path, subjects: Subjects
+) -> AsyncIterator[TestClient]:  # type: ignore[type-arg]
+    common = CommonSettings(
+        nats_url=nats_server.url, subject_prefix=subjects.prefix, var_dir=tmp_path
+    )
+    settings = AuthSettings(
+        admin_token=SecretStr(ADMIN_TOKEN), signing_keys_file=tmp_path / "signing-keys.json"
+    )
+    async with TestClient(TestServer(create_app(settings, common))) as client:
+        yield client
+
+
+@pytest.fixture
+async def store(nats_server: NatsServer, subjects: Subjects) -> AsyncIterator[KeyStore]:
+    nc = await bus.connect(nats_server.url, "test-auth-store")
+    try:
+        yield await KeyStore(nc.jetstream(), Topology(subjects), actor="test").open()
+    finally:
+        await nc.close()
+
+
+async def test_the_admin_api_needs_the_admin_token(client: TestClient) -> None:  # type: ignore[type-arg]
+    for headers in ({}, {"Authorization": "Bearer tga-wrong"}, {"X-Admin": ADMIN_TOKEN}):
+        r = await client.get("/admin/keys", headers=headers)
+        assert r.status == 401
+        assert (await r.json())["error"]["code"] == "invalid_admin_key"
+    r = await client.post("/admin/keys", json={"tenant": "acme"})
+    assert r.status == 401
+    assert (await client.get("/admin/keys", headers=ADMIN)).status == 200
+
+
+async def test_a_key_is_created_listed_updated_and_revoked(
+    client: TestClient,  # type: ignore[type-arg]
+    store: KeyStore,
+    subjects: Subjects,
+) -> None:
+    r = await client.post("/admin/keys", json={"tenant": "acme", "name": "ci"}, headers=ADMIN)
+    assert r.status == 201
+    created = await r.json()
+    token, record = created["key"], created["record"]
+    key_id = record["key_id"]
+    assert token.startswith("tg-") and record["state"] == "active"
+    stored = await store.get(key_id)
+    assert stored is not None and stored.tenant == "acme" and stored.state is KeyState.ACTIVE
+
+    r = await client.get("/admin/keys", headers=ADMIN)
+    listing = await r.text()
+    assert key_id in [k["key_id"] for k in (await r.json())["data"]]
+    assert token not in listing  # the token is shown once, stored nowhere
+
+    r = await client.patch(f"/admin/keys/{key_id}", json={"models": ["sim/*"]}, headers=ADMIN)
+    assert r.status == 200 and (await r.json())["models"] == ["sim/*"]
+    stored = await store.get(key_id)
+    assert stored is not None and stored.models == ["sim/*"]
+
+    r = await client.delete(f"/admin/keys/{key_id}", headers=ADMIN)
+    assert r.status == 200 and (await r.json())["state"] == "revoked"
+    r = await client.get(f"/admin/keys/{key_id}", headers=ADMIN)
+    assert (await r.json())["state"] == "revoked"
+    stored = await store.get(key_id)
+    assert stored is not None and stored.state is KeyState.REVOKED
+
+    trail = [
+        AuditEvent.model_validate_json(m.data) for m in await read_subject(store.js, subjects.audit)
+    ]
+    assert [e.action for e in trail if e.key_id == key_id] == ["create", "update", "revoke"]
+
+
+async def test_an_unknown_key_is_a_404(client: TestClient) -> None:  # type: ignore[type-arg]
+    r = await client.get("/admin/keys/nope", headers=ADMIN)
+    assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
