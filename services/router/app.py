@@ -34,10 +34,10 @@ from services.router.metrics import RouterMetrics
 from services.router.serving import OpenAIServing
 from services.router.settings import RouterSettings
 from services.router.usage import Outbox, UsagePublisher
-from services.router.workers import WorkerView
 from tollgate.models.catalog import Catalog
 from tollgate.runtime.ops import Check, add_ops_routes
 from tollgate.runtime.settings import CommonSettings
+from tollgate.runtime.workers import WorkerView
 from tollgate.wire import bus
 from tollgate.wire.topology import Role
 

@@ -65,7 +65,7 @@ class Scaler:
         self.catalog = catalog
         self.backend = backend
         self.metrics = metrics
-        self.signals = BusSignals(nc, self.subjects)
+        self.signals = BusSignals(nc, self.subjects, settings.heartbeat_misses)
         ids = settings.models or list(catalog.models)
         self.entries = {mid: catalog.get(mid) for mid in ids}
         self.policies: dict[str, Policy] = {}

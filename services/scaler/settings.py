@@ -64,6 +64,9 @@ class ScalerSettings(BaseSettings):
         default_factory=list, description="Models kept at one worker or more (JSON list)."
     )
     tick_s: float = Field(default=1.0, gt=0, description="Seconds between decisions.")
+    heartbeat_misses: int = Field(
+        default=3, ge=1, description="Missed worker heartbeats before a worker counts as gone."
+    )
     schedule: list[ScheduleOverride] = Field(
         default_factory=list, description="Replica bounds by time of day (JSON list)."
     )

@@ -1,7 +1,9 @@
 """The scaler's live view of each model, built from events on the bus.
 
-- worker heartbeats (``tg.workers.*``): who serves what, in which state, with
-  how many busy slots; a worker that misses three beats is gone;
+- worker heartbeats (``tg.workers.*``), kept by the shared
+  :class:`~tollgate.runtime.workers.WorkerView`: who serves what, in which
+  state, with how many busy slots; a worker that misses
+  ``TOLLGATE_SCALER_HEARTBEAT_MISSES`` beats (3) is gone;
 - arrivals (``tg.arrivals.*``): a small event (no request body) for every
   request that enters a model's work queue, so a model at zero wakes the
   scaler at once;
@@ -21,26 +23,18 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
+from tollgate.runtime.workers import WorkerView
 from tollgate.wire import codec
 from tollgate.wire.contracts import Arrival, UsageEvent, WorkerHeartbeat, WorkerState
 from tollgate.wire.subjects import Subjects
 
-_MISSED_BEATS = 3
 _TOKENS_WINDOW_S = 60.0
 
 
 @dataclass
-class WorkerView:
-    beat: WorkerHeartbeat
-    seen_at: float  # monotonic
-
-    def alive(self, now: float) -> bool:
-        return now - self.seen_at <= _MISSED_BEATS * self.beat.interval_s
-
-
-@dataclass
 class ModelView:
-    workers: dict[str, WorkerView] = field(default_factory=dict)
+    model: str
+    workers: WorkerView  # every model's live workers, shared by the views
     slots_per_worker: int | None = None
     startup_s: float | None = None  # latest measured time-to-ready
     arrivals: int = 0
@@ -48,10 +42,8 @@ class ModelView:
     tokens: deque[tuple[float, int]] = field(default_factory=deque)
 
     def live(self, now: float) -> list[WorkerHeartbeat]:
-        gone = [wid for wid, w in self.workers.items() if not w.alive(now)]
-        for wid in gone:
-            del self.workers[wid]
-        return [w.beat for w in self.workers.values()]
+        """This model's live workers (their latest beats)."""
+        return self.workers.live(self.model, now)
 
     def tokens_per_s(self, now: float) -> float:
         while self.tokens and self.tokens[0][0] < now - _TOKENS_WINDOW_S:
@@ -62,31 +54,30 @@ class ModelView:
 class BusSignals:
     """Subscriptions that keep :class:`ModelView` per model up to date."""
 
-    def __init__(self, nc: NATS, subjects: Subjects) -> None:
+    def __init__(self, nc: NATS, subjects: Subjects, heartbeat_misses: int = 3) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.subjects = subjects
+        self.workers = WorkerView(heartbeat_misses, on_beat=self._on_beat)
         self.models: dict[str, ModelView] = {}
         self.arrived = asyncio.Event()  # set on every arrival: a tick may be due now
 
     def view(self, model: str) -> ModelView:
-        return self.models.setdefault(model, ModelView())
+        view = self.models.get(model)
+        if view is None:
+            view = self.models[model] = ModelView(model, self.workers)
+        return view
 
     async def start(self) -> None:
-        await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_beat)
+        await self.workers.start(self.nc, self.subjects)
         await self.nc.subscribe(self.subjects.arrivals_all, cb=self._on_arrival)
         await self.nc.subscribe(self.subjects.usage_all, cb=self._on_usage)
 
-    async def _on_beat(self, msg: Msg) -> None:
-        try:
-            beat = codec.decode(WorkerHeartbeat, msg.data)
-        except Exception:
-            return
+    def _on_beat(self, beat: WorkerHeartbeat) -> None:
+        """What the scaler keeps per model beyond the live workers (the view has them)."""
         view = self.view(beat.model)
         if beat.state is WorkerState.STOPPED:
-            view.workers.pop(beat.worker_id, None)
             return
-        view.workers[beat.worker_id] = WorkerView(beat, time.monotonic())
         if beat.slots_total > 0:
             view.slots_per_worker = beat.slots_total
         if beat.startup_s is not None:
