@@ -19,7 +19,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel, ValidationError
 
-from services.metering.store import UsageStore
+from services.metering.store import UsageStore, error_code
 from tollgate.wire.bus import BatchPull
 from tollgate.wire.contracts import CaptureEvent, ReplayResult
 from tollgate.wire.topology import ConsumerSpec, Topology
@@ -65,7 +65,9 @@ class StreamToTable:
                 )
                 return
             except Exception as exc:
-                log.warning("%s consumer not set up yet: %s", self.table, type(exc).__name__)
+                log.warning(
+                    "%s consumer not set up yet: %s: %s", self.table, type(exc).__name__, exc
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
@@ -97,7 +99,7 @@ class StreamToTable:
         try:
             await self.write(self.store.insert_json, self.table, rows, self.key)
         except Exception as exc:
-            log.warning("%s insert failed, retried: %s", self.table, type(exc).__name__)
+            log.warning("%s insert failed, retried: %s", self.table, _insert_error(exc))
             for msg in kept:
                 await msg.nak(delay=5)
             return
@@ -119,3 +121,15 @@ def exchange_ingests(
             (topology.metering_replay, "replays", ReplayResult),
         )
     ]
+
+
+def _insert_error(exc: Exception) -> str:
+    """Why an insert failed, fit for the log.
+
+    ClickHouse quotes the rows it could not take in its message, and these rows
+    are captured request and response bodies: only its error code is logged then.
+    """
+    code = error_code(exc)
+    if code is not None:
+        return f"{type(exc).__name__}: ClickHouse error {code}"
+    return f"{type(exc).__name__}: {str(exc)[:200]}"

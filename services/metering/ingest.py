@@ -142,7 +142,7 @@ class UsageIngest:
                 )
                 return
             except Exception as exc:
-                log.warning("usage consumer not set up yet: %s", type(exc).__name__)
+                log.warning("usage consumer not set up yet: %s: %s", type(exc).__name__, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.retry_max_s)
 
@@ -197,7 +197,7 @@ class UsageIngest:
                 self.settings.batch_max_rows, timeout=1.0, window=self.settings.batch_max_wait_s
             )
         except Exception as exc:  # NATS reconnecting: ask again shortly
-            log.warning("usage fetch failed: %s", type(exc).__name__)
+            log.warning("usage fetch failed: %s: %s", type(exc).__name__, exc)
             await asyncio.sleep(0.5)
             return []
 
@@ -321,7 +321,7 @@ class UsageIngest:
                 with contextlib.suppress(Exception):
                     await self.topology.ensure_stream(self.js, self.topology.dead_letter)
             except Exception as exc:
-                log.warning("dead-letter publish failed: %s", type(exc).__name__)
+                log.warning("dead-letter publish failed: %s: %s", type(exc).__name__, exc)
             if self._stopping.is_set():
                 raise StoreUnavailable("stopping with a dead letter not stored")
             await asyncio.sleep(delay)

@@ -119,7 +119,7 @@ class KeyMirror:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # NATS restarting: watch again from the start
-                log.warning("watch of %s failed: %s", name, type(exc).__name__)
+                log.warning("watch of %s failed: %s: %s", name, type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
 
     def _apply_key(self, key: str, value: bytes | None) -> None:

@@ -158,5 +158,6 @@ class Limiter:
             if held.budget_key and delta:
                 await self.budgets.add(held.budget_key, delta)
         except Exception as exc:
-            log.error("settling a reservation failed: %s", type(exc).__name__)
+            log.error("settling a reservation failed: %s: %s", type(exc).__name__, exc)
+            log.debug("settling a reservation failed", exc_info=True)
         held.tokens = actual_tokens

@@ -95,8 +95,9 @@ class UsagePublisher:
             await self.js.publish(subject, data, headers={"Nats-Msg-Id": request_id}, timeout=5)
         except Exception as exc:
             log.warning(
-                "usage event kept in the outbox: %s",
+                "usage event kept in the outbox: %s: %s",
                 type(exc).__name__,
+                exc,
                 extra={"request_id": request_id},
             )
             self._wake.set()

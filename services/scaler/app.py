@@ -206,7 +206,7 @@ class Scaler:
         try:
             await self.nc.jetstream().publish(self.subjects.scale(model), codec.dumps(record))
         except Exception as exc:  # the decision stands; only its audit record is late
-            log.warning("decision not recorded: %s", type(exc).__name__)
+            log.warning("decision not recorded: %s: %s", type(exc).__name__, exc)
 
     # -- history -------------------------------------------------------------
 

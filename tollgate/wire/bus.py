@@ -19,7 +19,7 @@ async def connect(url: str, name: str) -> NATS:
     """Connect to NATS, retrying the first connect and every later disconnect."""
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats error: %s", type(exc).__name__, extra={"detail": str(exc)})
+        log.warning("nats error: %s: %s", type(exc).__name__, exc)
 
     async def on_disconnected() -> None:
         log.warning("nats disconnected")
@@ -43,7 +43,7 @@ async def connect(url: str, name: str) -> NATS:
             )
         except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
             # The first connect is retried too: services may start before NATS.
-            log.warning("nats not reachable yet: %s", type(exc).__name__)
+            log.warning("nats not reachable yet: %s: %s", type(exc).__name__, exc)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
@@ -55,11 +55,11 @@ async def close(nc: NATS) -> None:
     try:
         await nc.drain()
     except Exception as exc:  # a broken connection cannot be drained
-        log.warning("nats drain failed: %s", type(exc).__name__)
+        log.warning("nats drain failed: %s: %s", type(exc).__name__, exc)
         try:
             await nc.close()
         except Exception as close_exc:  # the server is gone: nothing left to flush
-            log.warning("nats close failed: %s", type(close_exc).__name__)
+            log.warning("nats close failed: %s: %s", type(close_exc).__name__, close_exc)
 
 
 class BatchPull:
