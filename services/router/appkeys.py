@@ -9,8 +9,8 @@ from services.router.dispatch import Dispatcher
 from services.router.metrics import RouterMetrics
 from services.router.serving import OpenAIServing
 from services.router.settings import RouterSettings
-from services.router.workers import WorkerView
 from tollgate.models.catalog import Catalog
+from tollgate.runtime.workers import WorkerView
 
 SETTINGS = web.AppKey("settings", RouterSettings)
 CATALOG = web.AppKey("catalog", Catalog)

@@ -74,21 +74,12 @@ class CounterStore:
                     revision = await self.kv.create(key, str(new).encode())
                 else:
                     revision = await self.kv.update(key, str(new).encode(), last=revision)
-            except Exception as exc:
-                if not _is_conflict(exc):
-                    raise
+            except KeyWrongLastSequenceError:
                 value, revision = await self._read(key)  # another router was first
                 continue
             self._seen[key] = (new, revision)
             return True, new
         raise RuntimeError(f"counter {key} kept changing under us")
-
-
-def _is_conflict(exc: Exception) -> bool:
-    if isinstance(exc, KeyWrongLastSequenceError):
-        return True
-    # create() on an existing key reports "wrong last sequence" as an API error
-    return "wrong last sequence" in str(exc) or "key exists" in str(exc).lower()
 
 
 class Limiter:

@@ -28,8 +28,8 @@ from services.router.metrics import RouterMetrics
 from services.router.protocol import ChatCompletionBody, CompletionBody
 from services.router.settings import RouterSettings
 from services.router.usage import UsagePublisher
-from services.router.workers import WorkerView
 from tollgate.models.catalog import Catalog, ModelEntry
+from tollgate.runtime.workers import WorkerView
 from tollgate.wire.contracts import (
     ChunkKind,
     Endpoint,

@@ -236,7 +236,7 @@ class CaptureEvent(_Contract):
     response_body: str = Field(default="", description="The JSON response (a stream: rebuilt).")
     response_truncated: bool = Field(default=False, description="The response was cut.")
     finish_reason: str | None = Field(default=None, description="stop, length, ...")
-    outcome: str = Field(description="As in the usage row.")
+    outcome: Outcome = Field(description="As in the usage row.")
     http_status: int = Field(description="HTTP status the client got.")
     prompt_tokens: int = Field(default=0, description="Engine's prompt tokens.")
     completion_tokens: int = Field(default=0, description="Engine's completion tokens.")
