@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
+
+import pytest
+from nats.js.api import StreamConfig
+from nats.js.errors import BadRequestError
 
 from tests.conftest import NatsServer
 from tollgate.wire import bus
@@ -63,5 +68,27 @@ async def test_ensure_is_idempotent_and_per_role(nats_server: NatsServer) -> Non
         assert expected <= names
         info = await js.stream_info(topology.usage.name)
         assert info.config.duplicate_window == topology.usage.duplicate_window_s
+    finally:
+        await nc.close()
+
+
+async def test_ensure_reshapes_a_stream_but_raises_on_an_overlapping_one(
+    nats_server: NatsServer,
+) -> None:
+    topology = Topology(Subjects("reshape"))
+    nc = await bus.connect(nats_server.url, "test-topology-reshape")
+    js = nc.jetstream()
+    try:
+        spec = topology.infer("m")
+        await js.add_stream(dataclasses.replace(spec.config(1), max_age=3600))
+        await topology.ensure_stream(js, spec)  # exists with another shape: updated
+        info = await js.stream_info(spec.name)
+        assert info.config.max_age == spec.max_age_s
+        # Another stream holds the subjects: the server's reason, not an update's.
+        taken = topology.infer("taken")
+        await js.add_stream(StreamConfig(name="RESHAPE_SQUATTER", subjects=list(taken.subjects)))
+        with pytest.raises(BadRequestError) as refused:
+            await topology.ensure_stream(js, taken)
+        assert refused.value.err_code == 10065  # JSStreamSubjectOverlapErr
     finally:
         await nc.close()

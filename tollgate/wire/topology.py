@@ -38,6 +38,9 @@ log = logging.getLogger("tollgate.topology")
 # up much sooner (their queue timeout); this only clears what nobody fetched.
 INFER_MAX_AGE_S = 600.0
 DEDUPE_WINDOW_S = 600.0
+# nats-server's JSStreamNameExistErr: "stream name already in use with a
+# different configuration" (the same configuration is no error).
+_STREAM_NAME_EXISTS = 10058
 
 
 class Role(StrEnum):
@@ -380,8 +383,10 @@ class Topology:
         config = spec.config(self.replicas)
         try:
             await js.add_stream(config)
-        except BadRequestError:  # it exists with another shape: bring it to this one
-            await js.update_stream(config)
+        except BadRequestError as exc:
+            if exc.err_code != _STREAM_NAME_EXISTS:
+                raise  # an invalid or overlapping config: updating would only hide why
+            await js.update_stream(config)  # it exists with another shape: bring it to this one
 
     async def bucket(self, js: JetStreamContext, spec: BucketSpec) -> Any:
         """The bucket's handle, created first when it does not exist."""
