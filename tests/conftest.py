@@ -255,7 +255,7 @@ class Stack:
         return self._serve("router", "services.router", "/readyz", **env)
 
     def auth(self, **env: str) -> tuple[Service, str]:
-        return self._serve("auth", "services.auth", "/healthz", **env)
+        return self._serve("auth", "services.auth", "/readyz", **env)
 
     def metering(self, **env: str) -> tuple[Service, str]:
         return self._serve("metering", "services.metering", "/readyz", **env)
