@@ -135,8 +135,9 @@ class Capturer:
         except Exception as exc:
             self.failed += 1
             log.warning(
-                "capture not published: %s",
+                "capture not published: %s: %s",
                 type(exc).__name__,
+                exc,
                 extra={"request_id": capture.request_id},
             )
 

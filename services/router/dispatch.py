@@ -134,7 +134,7 @@ class Dispatcher:
                 self.subjects.cancel(call.request.request_id), codec.encode(cancel)
             )
         except Exception as exc:
-            log.warning("cancel not sent: %s", type(exc).__name__)
+            log.warning("cancel not sent: %s: %s", type(exc).__name__, exc)
 
     @property
     def in_flight(self) -> int:

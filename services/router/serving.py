@@ -194,7 +194,7 @@ class OpenAIServing:
         try:
             return await self.dispatcher.submit(request)
         except Exception as exc:
-            log.warning("dispatch failed: %s", type(exc).__name__)
+            log.warning("dispatch failed: %s: %s", type(exc).__name__, exc)
             raise self._unavailable("The model's queue cannot be reached. Please retry.") from None
 
     def _unavailable(self, message: str) -> ServiceUnavailable:

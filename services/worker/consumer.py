@@ -264,7 +264,7 @@ class WorkerConsumer:
                     try:
                         sub = await self._subscribe()
                     except Exception as exc:
-                        log.warning("subscribe failed: %s", type(exc).__name__)
+                        log.warning("subscribe failed: %s: %s", type(exc).__name__, exc)
                     continue
             try:
                 # One message per fetch: nats.py's fetch(batch=N) waits for the
@@ -273,7 +273,7 @@ class WorkerConsumer:
             except (TimeoutError, NatsTimeoutError):
                 continue
             except Exception as exc:  # NATS reconnecting: try again shortly
-                log.warning("fetch failed: %s", type(exc).__name__)
+                log.warning("fetch failed: %s: %s", type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
                 continue
             idle_since = time.monotonic()
