@@ -8,7 +8,9 @@ usage or audit trail.
 Each entry names the roles that publish to it and the roles that read it.
 A service creates what it uses (:meth:`Topology.ensure` with its role), and
 the same table is what each service's NATS permissions are derived from.
-:func:`describe` renders it for ``docs/architecture.md``.
+:func:`describe` renders it for ``docs/architecture.md``, and
+:mod:`tollgate.wire.asyncapi` builds the bus's AsyncAPI document from it, with
+each channel's contract.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from pydantic import BaseModel
 
+from tollgate.wire import contracts as c
 from tollgate.wire.subjects import Subjects
 
 log = logging.getLogger("tollgate.topology")
@@ -56,6 +60,13 @@ class Role(StrEnum):
 
 R = Role
 
+# What a channel carries: a wire contract, or the type id of a contract defined
+# above the wire layer (key records, signing keys and audit events live in
+# tollgate.keys.records; the scaler's decisions and status are plain JSON with a
+# type id). None: no declared contract (a drain order has no body, dead letters
+# keep the bytes as they came, counters are small JSON their one owner reads).
+Contract = type[BaseModel] | str | None
+
 
 @dataclass(frozen=True)
 class StreamSpec:
@@ -70,6 +81,7 @@ class StreamSpec:
     retention: RetentionPolicy = RetentionPolicy.LIMITS
     max_age_s: float | None = None
     duplicate_window_s: float | None = None
+    contract: Contract = None
 
     def config(self, replicas: int) -> StreamConfig:
         return StreamConfig(
@@ -94,6 +106,7 @@ class BucketSpec:
     readers: frozenset[Role]
     history: int = 1
     ttl_s: float | None = None
+    contract: Contract = None  # of a value
 
     def config(self, replicas: int) -> KeyValueConfig:
         return KeyValueConfig(
@@ -134,6 +147,8 @@ class SubjectSpec:
     publishers: frozenset[Role]
     subscribers: frozenset[Role]
     request_reply: bool = False
+    contract: Contract = None
+    reply: Contract = None  # of the answer, for request/reply
 
 
 def _roles(*roles: Role) -> frozenset[Role]:
@@ -154,6 +169,7 @@ class Topology:
             writers=_roles(R.ROUTER),
             readers=_roles(R.METERING, R.AUTH),
             duplicate_window_s=DEDUPE_WINDOW_S,
+            contract=c.UsageEvent,
         )
         self.dead_letter = StreamSpec(
             "usage messages metering could not read, with the reason",
@@ -173,6 +189,7 @@ class Topology:
             readers=_roles(R.METERING),
             max_age_s=86400.0,
             duplicate_window_s=DEDUPE_WINDOW_S,
+            contract=c.CaptureEvent,
         )
         self.replay = StreamSpec(
             "replay results, on their way to ClickHouse",
@@ -183,6 +200,7 @@ class Topology:
             readers=_roles(R.METERING),
             max_age_s=86400.0,
             duplicate_window_s=DEDUPE_WINDOW_S,
+            contract=c.ReplayResult,
         )
         self.scale = StreamSpec(
             "the scaler's decisions with their reasons",
@@ -192,6 +210,7 @@ class Topology:
             writers=_roles(R.SCALER),
             readers=_roles(R.ADMIN),
             max_age_s=30 * 86400.0,
+            contract="tg.scale.v1",
         )
         self.audit = StreamSpec(
             "every change to the whitelist and the signing keys",
@@ -200,6 +219,7 @@ class Topology:
             StorageType.FILE,
             writers=_roles(R.AUTH, R.ADMIN),
             readers=_roles(R.ADMIN),
+            contract="tg.audit.v1",
         )
         self.keys = BucketSpec(
             "the whitelist: key id -> key record",
@@ -208,6 +228,7 @@ class Topology:
             writers=_roles(R.AUTH, R.ADMIN),
             readers=_roles(R.ROUTER, R.AUTH, R.ADMIN),
             history=5,
+            contract="tg.key.v1",
         )
         self.signing_keys = BucketSpec(
             "public halves of the signing keys: kid -> record",
@@ -216,6 +237,7 @@ class Topology:
             writers=_roles(R.AUTH, R.ADMIN),
             readers=_roles(R.ROUTER, R.AUTH, R.ADMIN),
             history=5,
+            contract="tg.signing-key.v1",
         )
         self.spend = BucketSpec(
             "tokens spent per key and budget period",
@@ -270,24 +292,28 @@ class Topology:
                 f"{p}.reply.<router>.<request>",
                 _roles(R.WORKER),
                 _roles(R.ROUTER),
+                contract=c.ResponseChunk,
             ),
             SubjectSpec(
                 "cancel a running request",
                 f"{p}.cancel.<request>",
                 _roles(R.ROUTER),
                 _roles(R.WORKER),
+                contract=c.CancelRequest,
             ),
             SubjectSpec(
                 "worker heartbeats (load, state, KV-cache use)",
                 f"{p}.workers.<model>",
                 _roles(R.WORKER),
                 _roles(R.ROUTER, R.SCALER, R.ADMIN),
+                contract=c.WorkerHeartbeat,
             ),
             SubjectSpec(
                 "arrivals: one small event per request queued (no body)",
                 f"{p}.arrivals.<model>",
                 _roles(R.ROUTER),
                 _roles(R.SCALER),
+                contract=c.Arrival,
             ),
             SubjectSpec(
                 "tell one worker to drain and exit",
@@ -301,6 +327,8 @@ class Topology:
                 _roles(R.SCALER, R.ADMIN),
                 _roles(R.METERING),
                 request_reply=True,
+                contract=c.QueryRequest,
+                reply=c.QueryResult,
             ),
             SubjectSpec(
                 "the scaler's view of every model",
@@ -308,6 +336,7 @@ class Topology:
                 _roles(R.ADMIN),
                 _roles(R.SCALER),
                 request_reply=True,
+                reply="tg.scaler_status.v1",
             ),
         )
 
@@ -330,6 +359,7 @@ class Topology:
             retention=RetentionPolicy.WORK_QUEUE,
             max_age_s=INFER_MAX_AGE_S,
             duplicate_window_s=120.0,
+            contract=c.InferenceRequest,
         )
 
     def workers(self, model_id: str) -> ConsumerSpec:
