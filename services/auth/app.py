@@ -26,6 +26,7 @@ from tollgate.keys.tokens import SigningKeySet, auth_dir
 from tollgate.runtime.ops import add_ops_routes
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus
+from tollgate.wire.control import ControlBroker
 from tollgate.wire.errors import error_json
 from tollgate.wire.topology import Role
 
@@ -162,10 +163,14 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
         await ledger.open()
         ledger.store = await ledger.store.open()
         app[LEDGER] = ledger
+        broker = ControlBroker(nc, name="auth", graceful_timeout=3)
+        ledger.subscribe(broker)
+        await broker.start()
         task = asyncio.create_task(ledger.run())
         log.info("auth service ready")
         yield
         ledger.stop()
+        await broker.stop()  # the batch in hand is counted and acked, for 3 s at most
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(task), 3)
         task.cancel()

@@ -9,6 +9,11 @@ or its budget is raised, it becomes active again. Routers already refuse a
 request whose worst case does not fit the budget; the ledger is the
 authoritative count from usage events, and its mark also covers budgets an
 admin lowers below what was spent.
+
+Usage events arrive through a FastStream batch subscriber (typed: each message
+read as a :class:`UsageEvent`) on the durable ``auth-budget`` consumer. A
+batch is counted in stream order and each message is acked right after it is
+counted; :meth:`BudgetLedger.reconcile` runs between batches, never during one.
 """
 
 from __future__ import annotations
@@ -17,19 +22,28 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
+from faststream import Context
+from faststream.middlewares import AckPolicy
+from faststream.nats import PullSub
+from faststream.nats.message import NatsBatchMessage
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.auth.metrics import AuthMetrics
 from tollgate.keys.records import KeyRecord, KeyState, budget_window
 from tollgate.keys.store import KeyStore
-from tollgate.wire import codec
+from tollgate.wire import control
 from tollgate.wire.contracts import UsageEvent
 from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.auth.ledger")
+
+BATCH = 200
+# A batch is handed over when full or after this long: how late the ledger may
+# count an event when traffic is light.
+BATCH_WINDOW_S = 0.25
 
 
 class BudgetLedger:
@@ -48,9 +62,12 @@ class BudgetLedger:
         self.reactivate_every_s = reactivate_every_s
         self.spend: Any = None
         self._stopping = asyncio.Event()
+        # Counting and reconciling never interleave: a reconcile that read the
+        # spend before a batch was counted must not reactivate what it marked.
+        self._one_at_a_time = asyncio.Lock()
 
     def stop(self) -> None:
-        """Finish the current batch, then leave :meth:`run`."""
+        """Leave :meth:`run` (the broker's stop finishes the batch in hand)."""
         self._stopping.set()
 
     async def open(self) -> None:
@@ -63,31 +80,35 @@ class BudgetLedger:
             return int(orjson.loads(entry.value or b"{}").get("tokens", 0))
         return 0
 
-    async def run(self) -> None:
+    def subscribe(self, broker: control.ControlBroker) -> None:
+        """Count usage events from the durable ``auth-budget`` consumer on ``broker``."""
         consumer = self.topology.auth_budget
-        sub = await self.js.pull_subscribe(
+        broker.subscriber(
             consumer.filter_subject,
+            stream=control.stream(self.topology.usage),
             durable=consumer.durable,
-            stream=consumer.stream,
             config=consumer.config(max_ack_pending=10_000),
-        )
-        next_check = 0.0
-        while not self._stopping.is_set():
-            if time.monotonic() >= next_check:
-                await self.reconcile()
-                next_check = time.monotonic() + self.reactivate_every_s
-            try:
-                msgs = await sub.fetch(200, timeout=1.0)
-            except TimeoutError:
-                continue
-            except Exception as exc:
-                log.warning("usage fetch failed: %s", type(exc).__name__)
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                try:
-                    event = codec.decode(UsageEvent, msg.data)
-                except Exception:
+            pull_sub=PullSub(batch_size=BATCH, timeout=BATCH_WINDOW_S, batch=True),
+            ack_policy=AckPolicy.MANUAL,  # each message once it is counted
+            decoder=control.contracts(UsageEvent),
+            title="auth-budget",
+            description=consumer.what,
+        )(self.count_batch)
+
+    async def count_batch(
+        self,
+        events: list[UsageEvent | None],
+        batch: Annotated[NatsBatchMessage, Context("message")],
+    ) -> None:
+        """Count a batch in stream order, acking each event once it is counted.
+
+        An event that fails to count stays unacked with the rest of the batch
+        and comes again after the consumer's ack wait; its stream sequence
+        keeps it from being counted twice.
+        """
+        async with self._one_at_a_time:
+            for event, msg in zip(events, batch.raw_message, strict=True):
+                if event is None:
                     log.error("malformed usage event skipped")
                     await msg.ack()
                     continue
@@ -95,9 +116,17 @@ class BudgetLedger:
                 await msg.ack()
                 if self.metrics is not None:
                     self.metrics.events.inc()
-        # A pull subscription left mid-fetch would hold up the connection's drain.
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+
+    async def run(self) -> None:
+        """Reconcile every ``reactivate_every_s`` until :meth:`stop`."""
+        while not self._stopping.is_set():
+            try:
+                async with self._one_at_a_time:
+                    await self.reconcile()
+            except Exception as exc:  # NATS away: the next round tries again
+                log.warning("reconcile failed: %s: %s", type(exc).__name__, exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.reactivate_every_s)
 
     async def count(self, event: UsageEvent, seq: int) -> None:
         if event.key_id is None:

@@ -1,0 +1,272 @@
+"""The budget ledger's FastStream consumer: in memory (TestNatsBroker) and on a real nats-server.
+
+In memory, the key store and the spend bucket are test doubles and each usage
+event carries the JetStream ack subject a real delivery would have (so its
+stream sequence is known). On the real server, the ledger runs on its durable
+consumer as the auth service runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any, cast
+
+import orjson
+import pytest
+from faststream.nats import TestNatsBroker
+from nats.aio.client import Client as NATS
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from services.auth.ledger import BudgetLedger
+from services.auth.metrics import AuthMetrics
+from tests.conftest import NatsServer
+from tollgate.keys.records import KeyRecord, KeyState, budget_window
+from tollgate.keys.store import KeyStore
+from tollgate.wire import bus, codec
+from tollgate.wire.asyncapi import document
+from tollgate.wire.contracts import UsageEvent
+from tollgate.wire.control import ControlBroker
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Role, Topology
+
+
+def usage(key_id: str | None, prompt: int, completion: int) -> UsageEvent:
+    return UsageEvent(
+        request_id=uuid.uuid4().hex,
+        time=time.time(),
+        tenant="acme",
+        key_id=key_id,
+        model="sim/echo-1",
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        outcome="completed",
+        streamed=False,
+        total_s=0.1,
+        http_status=200,
+    )
+
+
+class FakeSpend:
+    """A key-value bucket with revisions, as the ledger uses tg_spend."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[bytes, int]] = {}
+        self.revision = 0
+
+    async def get(self, key: str) -> Any:
+        if key not in self.entries:
+            raise KeyNotFoundError
+        value, revision = self.entries[key]
+        return SimpleNamespace(value=value, revision=revision)
+
+    async def create(self, key: str, value: bytes) -> int:
+        if key in self.entries:
+            raise KeyWrongLastSequenceError
+        return self._put(key, value)
+
+    async def update(self, key: str, value: bytes, last: int) -> int:
+        if self.entries.get(key, (b"", 0))[1] != last:
+            raise KeyWrongLastSequenceError
+        return self._put(key, value)
+
+    def _put(self, key: str, value: bytes) -> int:
+        self.revision += 1
+        self.entries[key] = (value, self.revision)
+        return self.revision
+
+    def tokens(self, key: str) -> int:
+        return int(orjson.loads(self.entries[key][0])["tokens"])
+
+
+class FakeKeys:
+    """The key store's read and update API over a dict."""
+
+    def __init__(self, *records: KeyRecord) -> None:
+        self.records = {r.key_id: r for r in records}
+
+    async def get(self, key_id: str) -> KeyRecord | None:
+        return self.records.get(key_id)
+
+    async def all(self) -> list[KeyRecord]:
+        return list(self.records.values())
+
+    async def update(
+        self, key_id: str, change: Callable[[KeyRecord], dict[str, Any] | None], action: str
+    ) -> KeyRecord | None:
+        current = self.records[key_id]
+        fields = change(current)
+        if fields is not None:
+            self.records[key_id] = current.model_copy(update=fields)
+        return self.records[key_id]
+
+
+def ack_subject(seq: int, topology: Topology) -> str:
+    """The reply subject of a JetStream delivery of stream sequence ``seq``."""
+    consumer = topology.auth_budget
+    return f"$JS.ACK.{consumer.stream}.{consumer.durable}.1.{seq}.{seq}.{time.time_ns()}.0"
+
+
+@pytest.fixture
+def in_memory() -> tuple[BudgetLedger, FakeKeys, FakeSpend, Topology]:
+    topology = Topology(Subjects())
+    keys = FakeKeys(
+        KeyRecord(key_id="k1", tenant="acme", budget_tokens=100, budget_period="day"),
+        KeyRecord(key_id="k2", tenant="acme"),
+    )
+    spend = FakeSpend()
+    ledger = BudgetLedger(None, cast(KeyStore, keys), topology, 3600, AuthMetrics())
+    ledger.spend = spend
+    return ledger, keys, spend, topology
+
+
+async def test_each_stream_sequence_is_counted_once_in_memory(
+    in_memory: tuple[BudgetLedger, FakeKeys, FakeSpend, Topology],
+) -> None:
+    ledger, _, spend, topology = in_memory
+    broker = ControlBroker(cast(NATS, None), name="test-auth")
+    ledger.subscribe(broker)
+    subject = topology.subjects.usage("acme")
+    async with TestNatsBroker(broker) as br:
+        for seq, (prompt, completion) in enumerate([(5, 7), (3, 4), (10, 1)], start=1):
+            body = codec.encode(usage("k1", prompt, completion))
+            await br.publish(body, subject, stream="TG_USAGE", reply_to=ack_subject(seq, topology))
+        # Sequence 2 delivered again (a redelivery after a lost ack): not counted again.
+        again = codec.encode(usage("k1", 3, 4))
+        await br.publish(again, subject, stream="TG_USAGE", reply_to=ack_subject(2, topology))
+        # A key without a budget has nothing to count.
+        body = codec.encode(usage("k2", 50, 50))
+        await br.publish(body, subject, stream="TG_USAGE", reply_to=ack_subject(4, topology))
+    window = budget_window("day", time.time())
+    assert spend.tokens(f"k1.{window}") == 12 + 7 + 11
+    assert list(spend.entries) == [f"k1.{window}"]
+
+
+async def test_a_malformed_event_is_skipped_and_the_budget_marked_in_memory(
+    in_memory: tuple[BudgetLedger, FakeKeys, FakeSpend, Topology],
+) -> None:
+    ledger, keys, spend, topology = in_memory
+    broker = ControlBroker(cast(NATS, None), name="test-auth")
+    ledger.subscribe(broker)
+    subject = topology.subjects.usage("acme")
+    async with TestNatsBroker(broker) as br:
+        await br.publish(
+            b"{not json", subject, stream="TG_USAGE", reply_to=ack_subject(1, topology)
+        )
+        await br.publish(
+            b'{"type": "tg.usage.v1"}',
+            subject,
+            stream="TG_USAGE",
+            reply_to=ack_subject(2, topology),
+        )
+        body = codec.encode(usage("k1", 60, 40))
+        await br.publish(body, subject, stream="TG_USAGE", reply_to=ack_subject(3, topology))
+    assert spend.tokens(f"k1.{budget_window('day', time.time())}") == 100
+    assert keys.records["k1"].state is KeyState.OVER_BUDGET
+    assert ledger.metrics is not None
+    assert ledger.metrics.events._value.get() == 1  # the two malformed ones are not events
+
+
+def test_the_ledgers_faststream_channel_is_in_the_bus_document() -> None:
+    """FastStream's own AsyncAPI of the auth broker names a channel the topology's document has."""
+    from faststream.specification import AsyncAPI
+
+    topology = Topology(Subjects())
+    broker = ControlBroker(cast(NATS, None), name="auth")
+    BudgetLedger(None, cast(KeyStore, FakeKeys()), topology, 3600).subscribe(broker)
+    theirs = AsyncAPI(broker, schema_version="3.0.0").to_specification().to_jsonable()
+    subjects = {c["address"] for c in theirs["channels"].values()}
+    assert subjects == {"tg.usage.*"}
+    ours = document(topology)
+    assert ours["channels"]["usage"]["x-tollgate"]["stream"] == "TG_USAGE"
+    consumer = ours["operations"]["auth.receives.usage"]["x-tollgate-consumer"]
+    assert consumer["durable"] == topology.auth_budget.durable
+
+
+# -- on a real nats-server ------------------------------------------------------
+
+
+async def spend_of(spend: Any, key: str) -> int:
+    try:
+        entry = await spend.get(key)
+    except KeyNotFoundError:
+        return 0
+    return int(orjson.loads(entry.value)["tokens"])
+
+
+async def wait_for(check: Callable[[], Any], what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_the_ledger_counts_acks_and_stops_cleanly_on_nats(nats_server: NatsServer) -> None:
+    topology = Topology(Subjects(f"ledger{uuid.uuid4().hex[:6]}"))
+    nc = await bus.connect(nats_server.url, "test-ledger")
+    js = nc.jetstream()
+    try:
+        await topology.ensure(js, Role.AUTH)
+        store = await KeyStore(js, topology, actor="test").open()
+        record = KeyRecord(key_id="k1", tenant="acme", budget_tokens=10**9, budget_period="day")
+        await store.keys.put(record.key_id, record.model_dump_json().encode())
+        subject = topology.subjects.usage("acme")
+        key = f"k1.{budget_window('day', time.time())}"
+
+        async def publish(*bodies: bytes) -> None:
+            for body in bodies:
+                await js.publish(subject, body, headers={"Nats-Msg-Id": uuid.uuid4().hex})
+
+        await publish(b"{not json", *(codec.encode(usage("k1", 10, i)) for i in range(20)))
+        expected = sum(10 + i for i in range(20))
+
+        ledger = BudgetLedger(js, store, topology, 3600)
+        await ledger.open()
+        broker = ControlBroker(nc, name="test-auth", graceful_timeout=10)
+        ledger.subscribe(broker)
+        await broker.start()
+
+        async def counted() -> bool:
+            return await spend_of(ledger.spend, key) == expected
+
+        await wait_for(counted, "the ledger did not count the events")
+
+        # Stopping waits for the batch in hand: counted and acked, not cut off.
+        gate, began = asyncio.Event(), asyncio.Event()
+        count = ledger.count
+
+        async def held(event: UsageEvent, seq: int) -> None:
+            began.set()
+            await gate.wait()
+            await count(event, seq)
+
+        ledger.count = held  # type: ignore[method-assign]
+        await publish(*(codec.encode(usage("k1", 1, 0)) for _ in range(3)))
+        await asyncio.wait_for(began.wait(), 10)
+        stopping = asyncio.create_task(broker.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=0.3)
+        assert not done, "stop did not wait for the batch in hand"
+        gate.set()
+        await stopping
+        assert await spend_of(ledger.spend, key) == expected + 3
+        info = await js.consumer_info(topology.usage.name, topology.auth_budget.durable)
+        assert info.num_ack_pending == 0 and info.num_pending == 0
+        assert not nc.is_closed  # the connection is the service's to drain
+
+        # Events published while it was stopped are counted once it runs again.
+        ledger.count = count  # type: ignore[method-assign]
+        await publish(*(codec.encode(usage("k1", 2, 0)) for _ in range(4)))
+        broker = ControlBroker(nc, name="test-auth")
+        ledger.subscribe(broker)
+        await broker.start()
+
+        async def all_counted() -> bool:
+            return await spend_of(ledger.spend, key) == expected + 3 + 8
+
+        await wait_for(all_counted, "the ledger did not resume from its durable consumer")
+        await broker.stop()
+    finally:
+        await bus.close(nc)
