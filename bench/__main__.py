@@ -11,6 +11,8 @@
    cold start of a model at zero workers vs its worker's own time-to-ready.
 5. Model registry: S3 fetch throughput vs ``cp`` of the same bytes, and a
    worker's time-to-ready from ``s3://`` cold and warm, by part.
+6. Control plane: each control-plane handler on FastStream vs on plain
+   nats.py (``bench/control_plane.py``).
 
 Results go to docs/benchmarks.md (and bench/results/latest.json).
 """
@@ -304,7 +306,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer requests per point")
     parser.add_argument(
-        "--only", choices=["inference", "gateway", "metering", "scaler", "registry"]
+        "--only", choices=["inference", "gateway", "metering", "scaler", "registry", "control"]
     )
     parser.add_argument(
         "--baseline",
@@ -352,6 +354,14 @@ def main() -> None:
             from bench.registry import bench_registry
 
             results["registry"] = {**bench_registry(work, env, ns.quick), "date": results["date"]}
+        if ns.only in (None, "control"):
+            from bench.control_plane import bench_control_plane
+
+            results["control"] = {
+                **bench_control_plane(work, ns.quick),
+                "date": results["date"],
+                "command": "make bench" + (" (--quick)" if ns.quick else ""),
+            }
         if ns.only in (None, "inference"):
             results["inference"] = {
                 **bench_inference(work, env, ns.quick),

@@ -354,13 +354,19 @@ def _registry(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _control(r: dict[str, Any]) -> list[str]:
+    from bench.control_plane import render
+
+    return [*render(r).splitlines(), ""]
+
+
 def write_report(results: dict[str, Any], path: Path) -> None:
     lines = [
         "# Benchmarks",
         "",
         "Every figure below comes from `make bench` (`python -m bench`; `--only gateway`,",
-        "`--only inference`, `--only metering`, `--only scaler` or `--only registry` reruns",
-        "one part), with each",
+        "`--only inference`, `--only metering`, `--only scaler`, `--only registry` or",
+        "`--only control` reruns one part), with each",
         "system and its",
         "baseline measured side by side in the same run. Performance is never asserted in the",
         "test suite; it is measured here.",
@@ -387,6 +393,7 @@ _PARTS = {
     "metering": _metering,
     "scaler": _scaler,
     "registry": _registry,
+    "control": _control,
 }
 _PART_TITLES = {
     "inference": ("Inference",),
@@ -394,6 +401,7 @@ _PART_TITLES = {
     "metering": ("Metering",),
     "scaler": ("Scaler",),
     "registry": ("Model registry",),
+    "control": ("Control plane",),
 }
 
 

@@ -7,6 +7,10 @@ that is not a valid event is terminated (never redelivered); an insert that
 fails is retried by redelivery (nak with a delay). The tables are
 ReplacingMergeTree on the request id, and a batch sent again carries the same
 deduplication token, so a redelivery does not double a row.
+
+The consumers pull with :class:`~tollgate.wire.bus.BatchPull` on nats.py: a
+FastStream batch subscriber stored about half as many captures per second
+(``bench/control_plane.py``, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ class StreamToTable:
     def stop(self) -> None:
         self._stopping.set()
 
-    async def _setup(self) -> None:
+    async def ensure_consumer(self) -> None:
+        """The durable consumer; retried while JetStream is not ready."""
         delay = 0.2
         while True:
             try:
@@ -72,17 +77,18 @@ class StreamToTable:
                 delay = min(delay * 2, 10.0)
 
     async def run(self) -> None:
-        await self._setup()
+        await self.ensure_consumer()
         pull = await BatchPull(self.nc, self.consumer.stream, self.consumer.durable).start()
         try:
             while not self._stopping.is_set():
                 msgs = await pull.fetch(500, timeout=1.0, window=0.5)
                 if msgs:
-                    await self._store(msgs)
+                    await self.store_batch(msgs)
         finally:
             await pull.stop()
 
-    async def _store(self, msgs: list[Any]) -> None:
+    async def store_batch(self, msgs: list[Any]) -> None:
+        """One insert for the valid messages, then ack them (nak all if it failed)."""
         rows, kept = [], []
         for msg in msgs:
             try:

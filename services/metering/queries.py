@@ -3,6 +3,10 @@
 Only the metering service opens ClickHouse (chDB allows one process per data
 directory), so everything else that needs usage data asks here. The query
 runs on a connection that ClickHouse itself holds read-only.
+
+It stays a plain nats.py subscription (queue group ``metering``): as a
+FastStream subscriber it answered measurably slower (``bench/control_plane.py``,
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -46,8 +50,16 @@ class QueryResponder:
 
     async def _on_query(self, msg: Msg) -> None:
         try:
-            request = codec.decode(QueryRequest, msg.data)
+            request: QueryRequest | None = codec.decode(QueryRequest, msg.data)
         except (ValidationError, ValueError):
+            request = None
+        body = await self.answer(request)
+        if msg.reply:
+            await msg.respond(body)
+
+    async def answer(self, request: QueryRequest | None) -> bytes:
+        """The encoded :class:`QueryResult` (``None``: the request was not valid)."""
+        if request is None:
             result = QueryResult(error="The query request is not a valid tg.query.v1 message.")
         else:
             async with self._one_at_a_time:
@@ -69,5 +81,4 @@ class QueryResponder:
             )
             body = codec.encode(result)
         self.metrics.queries.labels("error" if result.error else "ok").inc()
-        if msg.reply:
-            await msg.respond(body)
+        return body
