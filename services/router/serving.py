@@ -352,14 +352,27 @@ class OpenAIServing:
             self.metrics.ended(event)
 
     async def _late_end(self, call: Call) -> ResponseChunk | None:
-        try:
-            async with asyncio.timeout(self.settings.late_usage_wait_s):
-                while True:
-                    chunk = await call.queue.get()
-                    if chunk.kind is ChunkKind.END:
-                        return chunk
-        except TimeoutError:
-            return None
+        """The worker's final report, after the client went away (None: it never came).
+
+        Time cut off from NATS does not count: the cancel and the worker's
+        report wait in the clients' buffers and go out once both reconnect,
+        so a wait that saw the connection down or come back starts again (at
+        most until the request's deadline).
+        """
+        nc = self.dispatcher.nc
+        give_up = time.monotonic() + max(0.0, call.request.deadline - time.time())
+        while True:
+            reconnects = nc.stats["reconnects"]
+            try:
+                async with asyncio.timeout(self.settings.late_usage_wait_s):
+                    while True:
+                        chunk = await call.queue.get()
+                        if chunk.kind is ChunkKind.END:
+                            return chunk
+            except TimeoutError:
+                cut_off = not nc.is_connected or nc.stats["reconnects"] != reconnects
+                if not cut_off or time.monotonic() >= give_up:
+                    return None
 
 
 def _since(start: float, end: float | None) -> float | None:

@@ -51,6 +51,7 @@ from services.router.lifecycle import (
 )
 from services.router.settings import RouterSettings
 from tests.conftest import NatsServer
+from tests.lib.net import free_port
 from tests.lib.streams import read_subject
 from tollgate.models.catalog import Catalog, ModelEntry
 from tollgate.runtime.settings import CommonSettings
@@ -266,10 +267,12 @@ OpenRouter = Callable[..., Awaitable[Router]]
 async def open_router(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[OpenRouter]:
     opened: list[Router] = []
 
-    async def open_(handler_cancellation: bool = False, **overrides: Any) -> Router:
+    async def open_(
+        handler_cancellation: bool = False, server: NatsServer = nats_server, **overrides: Any
+    ) -> Router:
         subjects = Subjects(f"life-{uuid.uuid4().hex[:10]}")
         common = CommonSettings(
-            nats_url=nats_server.url, subject_prefix=subjects.prefix, var_dir=tmp_path
+            nats_url=server.url, subject_prefix=subjects.prefix, var_dir=tmp_path
         )
         settings = RouterSettings(
             **{
@@ -280,7 +283,7 @@ async def open_router(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[
                 **overrides,
             }
         )
-        nc = await bus.connect(nats_server.url, "test-lifecycle")
+        nc = await bus.connect(server.url, "test-lifecycle")
         usage_sub = await nc.subscribe(subjects.usage_all)
         cancel_sub = await nc.subscribe(subjects.cancel_all)
         app = create_app(settings, common, CATALOG)
@@ -512,6 +515,43 @@ async def test_the_deadline_cancels_once_and_bills_the_final_report(
 
 
 # -- OpenAIServing.events, fed by hand ---------------------------------------------
+
+
+async def _report_more_than_relayed(reply: Reply) -> None:
+    """Relay one piece; once cancelled, report the seven tokens the engine made."""
+    await reply.start()
+    await reply.send(
+        ChunkKind.DATA, data=STREAMED[0], usage=Usage(prompt_tokens=5, completion_tokens=1)
+    )
+    await reply.cancelled.wait()
+    await reply.end(Outcome.CANCELLED, Usage(prompt_tokens=5, completion_tokens=7))
+
+
+async def test_a_nats_outage_while_waiting_for_the_final_report_still_bills_it(
+    open_router: OpenRouter, tmp_path: Path
+) -> None:
+    """The client hangs up and NATS goes away for longer than the router waits
+    for the worker's final report: the wait starts again once NATS is back, so
+    the row bills what the engine generated, not only what was relayed."""
+    server = NatsServer(free_port(), tmp_path / "own-nats")
+    server.start()
+    try:
+        router = await open_router(server=server, late_usage_wait_s=0.3)
+        await router.worker(_report_more_than_relayed)
+        r = await router.post(stream=True)
+        assert await r.content.readuntil(b"\n\n") == STREAMED[0].encode()
+        r.close()
+        server.stop()
+        # an outage that outlasts the router's wait for the report
+        await asyncio.sleep(1.5)
+        server.start()
+        published = await router.close()
+    finally:
+        server.stop()
+    event = published.one_event()
+    assert (event.outcome, event.http_status) == (Outcome.CLIENT_DISCONNECTED, 499)
+    assert (event.prompt_tokens, event.completion_tokens) == (5, 7)
+    assert len(published.cancels) <= 1
 
 
 def _call(request_id: str = "r1") -> Call:
