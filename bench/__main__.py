@@ -186,9 +186,13 @@ def interleaved_sweeps(
     merged: dict[tuple[str, int], RunStats] = {}
     for url, headers in targets.values():  # warm-up
         asyncio.run(run_load(url, [sim_body()] * 50, 4, stream=False, headers=headers))
-    for _ in range(rounds):
+    for round_no in range(rounds):
+        # every other round in reverse order: no target always goes first
+        order = list(targets.items())
+        if round_no % 2:
+            order.reverse()
         for concurrency in LEVELS:
-            for name, (url, headers) in targets.items():
+            for name, (url, headers) in order:
                 count = n * 2 if concurrency == 1 else n
                 stats = asyncio.run(
                     run_load(url, [sim_body()] * count, concurrency, stream=False, headers=headers)
@@ -210,7 +214,7 @@ def interleaved_sweeps(
 
 
 def bench_gateway(
-    work: Path, env: dict[str, str], quick: bool, baseline: str | None = None
+    work: Path, env: dict[str, str], quick: bool, baseline: str | None = None, rounds: int = 3
 ) -> dict[str, Any]:
     print("gateway: simulated engine direct, through Tollgate, and with auth off", flush=True)
     with P.processes(work, env) as procs:
@@ -250,7 +254,8 @@ def bench_gateway(
             old_base = P.start_router(procs, old_nats, tree)
             P.start_worker(procs, old_nats, SIM, tree)
             targets["baseline"] = (f"{old_base}/v1/chat/completions", old_headers)
-        out = interleaved_sweeps(targets, quick)
+        out = interleaved_sweeps(targets, quick, rounds)
+        out["rounds"] = rounds
         if baseline is not None:
             out["baseline_revision"] = baseline
         print("auth: revocation propagation to two routers", flush=True)
@@ -313,6 +318,9 @@ def main() -> None:
         metavar="REV",
         help="gateway: also measure the stack at git revision REV, side by side",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="gateway: alternating rounds per figure"
+    )
     ns = parser.parse_args()
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -331,7 +339,7 @@ def main() -> None:
         }
         if ns.only in (None, "gateway"):
             results["gateway"] = {
-                **bench_gateway(work, env, ns.quick, ns.baseline),
+                **bench_gateway(work, env, ns.quick, ns.baseline, ns.rounds),
                 "date": results["date"],
             }
         if ns.only in (None, "metering"):

@@ -104,8 +104,9 @@ def _baseline(r: dict[str, Any]) -> list[str]:
         f"### This tree vs revision `{rev}`",
         "",
         f"The same gateway measurement for the stack at `{rev}` (router and worker run from "
-        "that revision's code, on their own NATS), in the same alternating rounds "
-        "(`python -m bench --only gateway --baseline REV`).",
+        "that revision's code, on their own NATS), in the same "
+        f"{r.get('rounds', 3)} alternating rounds "
+        "(`python -m bench --only gateway --baseline REV --rounds N`).",
         "",
         f"| metric | `{rev}` | this tree | this / `{rev}` |",
         "|---|---|---|---|",

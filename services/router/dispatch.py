@@ -102,6 +102,7 @@ class Dispatcher:
         headers = tracing.inject(
             {"Nats-Msg-Id": request.request_id, "Tollgate-Request-Id": request.request_id}
         )
+        await self._announce(request)
         try:
             try:
                 await self.js.publish(subject, data, headers=headers, timeout=5)
@@ -115,14 +116,20 @@ class Dispatcher:
             # come back (a timeout): make sure no worker runs it for nobody.
             await self.cancel(call, "not_dispatched")
             raise
+        return call
+
+    async def _announce(self, request: InferenceRequest) -> None:
+        """Tell the scaler a request arrives (a small event, no body).
+
+        Buffered just before the request itself, so both leave in one write.
+        """
         arrival = Arrival(
             request_id=request.request_id, model=request.model, at=request.enqueued_at
         )
         try:
             await self.nc.publish(self.subjects.arrivals(request.model), codec.encode(arrival))
         except Exception as exc:  # the scaler also sees the queue depth: not worth failing for
-            log.warning("arrival not announced: %s", exc)
-        return call
+            log.warning("arrival not announced: %s: %s", type(exc).__name__, exc)
 
     async def cancel(self, call: Call, reason: str) -> None:
         if call.cancelled:

@@ -9,6 +9,7 @@ is built from it.
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ PREFIX_PATTERN = re.compile(r"[a-z][a-z0-9-]{0,31}")
 _SAFE = frozenset(string.ascii_letters + string.digits + "-")
 
 
+@functools.lru_cache(maxsize=4096)
 def model_token(model_id: str) -> str:
     """Return the subject-safe token for ``model_id``.
 
