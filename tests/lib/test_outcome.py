@@ -7,6 +7,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from pydantic import ValidationError
 
 from tollgate.wire import codec
 from tollgate.wire.contracts import Outcome, ResponseChunk, UsageEvent
@@ -64,3 +65,9 @@ def test_an_outcome_this_reader_does_not_know_is_kept_not_refused() -> None:
     assert event.outcome == "some_new_ending" and event.outcome not in list(Outcome)
     chunk = ResponseChunk(request_id="r1", seq=0, kind="end", outcome="some_new_ending")
     assert chunk.outcome == "some_new_ending"
+
+
+@pytest.mark.parametrize("value", ["x" * 33, "Completed", "rm -rf", "a\nb", "", "1st"])
+def test_an_outcome_not_shaped_like_ours_is_refused(value: str) -> None:
+    with pytest.raises(ValidationError):
+        codec.decode(UsageEvent, usage_event(value))

@@ -6,6 +6,7 @@ never repurposed; a breaking change is a new version with a new type id.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -70,6 +71,9 @@ class Usage(_Contract):
         return self.prompt_tokens + self.completion_tokens
 
 
+_OUTCOME_SHAPE = re.compile(r"[a-z][a-z_]{0,31}")
+
+
 class Outcome(StrEnum):
     """How a request ended: on a worker's END chunk, and in every usage row.
 
@@ -97,8 +101,10 @@ class Outcome(StrEnum):
     @classmethod
     def _missing_(cls, value: object) -> Outcome | None:
         # A reader older than the writer keeps an outcome it does not know, as
-        # it is: a usage event is billed, never refused for a new value.
-        if not isinstance(value, str):
+        # it is: a usage event is billed, never refused for a new value. Only
+        # a value shaped like ours is kept (a short snake_case word), so no
+        # publisher can put arbitrary text into the billing column.
+        if not isinstance(value, str) or not _OUTCOME_SHAPE.fullmatch(value):
             return None
         member = str.__new__(cls, value)
         member._name_ = "UNKNOWN"
