@@ -2,6 +2,12 @@
 
 Every server runs on a free port with its data in a temporary folder, and is
 stopped at the end. Services run as subprocesses, as they are deployed.
+
+The bus is closed as in production: NATS admits only the identities generated
+for the test session (one nkey per role, permissions from the topology) and
+the session's server speaks TLS. Each service runs as its own role; a test
+that talks to the bus itself connects as the operator (``nats_server.connect()``)
+or as the role it stands in for.
 """
 
 from __future__ import annotations
@@ -19,18 +25,21 @@ from pathlib import Path
 
 import httpx
 import pytest
+from nats.aio.client import Client as NATS
 
 from tests.lib.net import free_port, wait_for_port
 from tests.lib.s3_server import MotoServer
+from tollgate.app.busauth import Identities, TlsFiles, make_certificates, server_config
 from tollgate.app.supervisor import nats_server_binary
 from tollgate.keys.store import bootstrap
 from tollgate.models.cache import prepare_model
 from tollgate.models.catalog import load_catalog
 from tollgate.models.sources import open_source
+from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus, codec
 from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
 from tollgate.wire.subjects import Subjects
-from tollgate.wire.topology import Topology
+from tollgate.wire.topology import Role, Topology
 
 # No call home from huggingface_hub in tests (its first request fetches a registry);
 # read when it is first imported, which none of the imports above does.
@@ -116,18 +125,93 @@ max_model_len = 512
 
 @dataclass
 class NatsServer:
+    """A nats-server with JetStream that admits only the generated identities.
+
+    ``prefixes`` are the subject prefixes it has identities for (one set of
+    roles each); ``tls`` makes it speak TLS with a certificate of a CA made
+    for it (clients verify it).
+    """
+
     port: int
     store: Path
+    prefixes: tuple[str, ...] = ("tg",)
+    tls: bool = False
     proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        folder = self.store.parent / f"{self.store.name}-identities"
+        self.identities = {p: Identities(folder, p).ensure() for p in self.prefixes}
+        self.tls_files: TlsFiles | None = None
+        if self.tls:
+            self.tls_files = make_certificates(folder / "tls", ["127.0.0.1", "localhost"])
+        self.config = self.store.parent / f"{self.store.name}.conf"
+        self.log = self.store.parent / f"{self.store.name}.log"
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
+
+    def seed_file(self, role: Role, prefix: str = "tg") -> Path:
+        if prefix not in self.identities:
+            self.add_prefix(prefix)
+        return self.identities[prefix].seed_file(role)
+
+    def add_prefix(self, prefix: str) -> None:
+        """Identities for another prefix: the configuration is rewritten and reloaded,
+        as an operator adds a stack to a shared server."""
+        folder = self.store.parent / f"{self.store.name}-identities"
+        self.identities[prefix] = Identities(folder, prefix).ensure()
+        self.config.write_text(server_config(self.identities.values(), self.tls_files))
+        if self.proc is None:
+            return
+        reloads = self._log_count("Reloaded server configuration")
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while self._log_count("Reloaded server configuration") == reloads:
+            assert time.monotonic() < deadline, "nats-server did not reload its configuration"
+            time.sleep(0.02)
+
+    def _log_count(self, text: str) -> int:
+        return self.log.read_text().count(text) if self.log.exists() else 0
+
+    def env(self, role: Role, prefix: str = "tg") -> dict[str, str]:
+        """The settings that give a process this role's identity (and trust in the CA)."""
+        env = {
+            "TOLLGATE_NATS_URL": self.url,
+            "TOLLGATE_NATS_NKEY_FILE": str(self.seed_file(role, prefix)),
+        }
+        if self.tls_files is not None:
+            env["TOLLGATE_NATS_TLS_CA"] = str(self.tls_files.ca)
+        return env
+
+    def settings(
+        self, role: Role = Role.ADMIN, prefix: str = "tg", **extra: object
+    ) -> CommonSettings:
+        tls_ca = self.tls_files.ca if self.tls_files is not None else None
+        return CommonSettings(
+            nats_url=self.url,
+            nats_nkey_file=self.seed_file(role, prefix),
+            nats_tls_ca=tls_ca,
+            subject_prefix=prefix,
+            **extra,  # type: ignore[arg-type]
+        )
+
+    def access(self, role: Role = Role.ADMIN, prefix: str = "tg") -> bus.Access:
+        return self.settings(role, prefix).bus_access(role)
+
+    async def connect(
+        self, role: Role = Role.ADMIN, name: str = "test", prefix: str = "tg"
+    ) -> NATS:
+        """A connection with ``role``'s identity (the operator's by default)."""
+        return await bus.connect(self.url, name, self.access(role, prefix))
 
     def start(self) -> None:
+        self.config.write_text(server_config(self.identities.values(), self.tls_files))
         self.proc = subprocess.Popen(
             [
                 nats_server_binary(),
+                "-c",
+                str(self.config),
                 "-js",
                 "-sd",
                 str(self.store),
@@ -135,11 +219,19 @@ class NatsServer:
                 "127.0.0.1",
                 "-p",
                 str(self.port),
+                "-l",
+                str(self.log),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         wait_for_port(self.port)
+
+    def violations(self) -> list[str]:
+        """The permission violations the server logged so far."""
+        if not self.log.exists():
+            return []
+        return [line for line in self.log.read_text().splitlines() if "Violation" in line]
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -150,7 +242,7 @@ class NatsServer:
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    server = NatsServer(free_port(), tmp_path_factory.mktemp("nats"))
+    server = NatsServer(free_port(), tmp_path_factory.mktemp("nats"), tls=True)
     server.start()
     yield server
     server.stop()
@@ -213,10 +305,13 @@ class Stack:
     var_dir: Path
     services: list[Service] = field(default_factory=list)
 
-    def env(self, **extra: str) -> dict[str, str]:
-        env = dict(os.environ)
+    def env(self, role: Role = Role.ADMIN, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLGATE_NATS_")}
+        prefix = extra.get("TOLLGATE_SUBJECT_PREFIX", "tg")
+        env.update(self.nats.env(role, prefix))
+        if role is Role.SCALER:  # the workers it starts get their own identity
+            env["TOLLGATE_SCALER_WORKER_NKEY_FILE"] = str(self.nats.seed_file(Role.WORKER, prefix))
         env.update(
-            TOLLGATE_NATS_URL=self.nats.url,
             TOLLGATE_CATALOG=str(self.var_dir / "models.toml"),
             TOLLGATE_VAR_DIR=str(self.var_dir),
             VLLM_CPU_KVCACHE_SPACE="1",
@@ -225,10 +320,12 @@ class Stack:
         return env
 
     def spawn(self, name: str, argv: list[str], **env: str) -> Service:
+        """Run ``python argv`` as the role its name starts with (the operator's otherwise)."""
         log = self.var_dir / f"{name.replace('/', '_')}-{len(self.services)}.log"
+        role = next((r for r in Role if name.startswith(r.value)), Role.ADMIN)
         proc = subprocess.Popen(
             [sys.executable, *argv],
-            env=self.env(**env),
+            env=self.env(role, **env),
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
         )
@@ -274,14 +371,14 @@ class Stack:
 class HeartbeatWatch:
     """Collects worker heartbeats from the bus, for assertions on slots."""
 
-    def __init__(self, url: str, subjects: Subjects) -> None:
-        self.url = url
+    def __init__(self, nats: NatsServer, subjects: Subjects) -> None:
+        self.nats = nats
         self.subjects = subjects
         self.latest: dict[str, WorkerHeartbeat] = {}
         self._changed = asyncio.Condition()
 
     async def __aenter__(self) -> HeartbeatWatch:
-        self.nc = await bus.connect(self.url, "test-heartbeats")
+        self.nc = await self.nats.connect(name="test-heartbeats", prefix=self.subjects.prefix)
 
         async def on_beat(msg: object) -> None:
             beat = codec.decode(WorkerHeartbeat, msg.data)  # type: ignore[attr-defined]
@@ -310,9 +407,14 @@ class HeartbeatWatch:
 
 
 async def wait_ready(
-    url: str, model: str, count: int = 1, timeout: float = 300, subjects: Subjects | None = None
+    nats: NatsServer,
+    model: str,
+    count: int = 1,
+    timeout: float = 300,
+    subjects: Subjects | None = None,
 ) -> None:
-    async with HeartbeatWatch(url, subjects or Subjects()) as watch:
+    subjects = subjects or Subjects()
+    async with HeartbeatWatch(nats, subjects) as watch:
         await watch.wait_for(lambda _: len(watch.ready(model)) >= count, timeout)
 
 
@@ -343,7 +445,7 @@ def _stop_what_the_test_started(request: pytest.FixtureRequest) -> Iterator[None
 @pytest.fixture(scope="session")
 async def api_key(stack: Stack) -> str:
     """The stack's signing key and a key for every model, as `tollgate up` makes them."""
-    nc = await bus.connect(stack.nats.url, "test-bootstrap")
+    nc = await stack.nats.connect(name="test-bootstrap")
     try:
         return await bootstrap(nc.jetstream(), Topology(Subjects()), stack.var_dir)
     finally:
@@ -366,8 +468,8 @@ async def sim_workers(stack: Stack) -> AsyncIterator[None]:
     """One worker each for the simulated models."""
     stack.worker(SIM_MODEL)
     stack.worker(SLOW_MODEL)
-    await wait_ready(stack.nats.url, SIM_MODEL)
-    await wait_ready(stack.nats.url, SLOW_MODEL)
+    await wait_ready(stack.nats, SIM_MODEL)
+    await wait_ready(stack.nats, SLOW_MODEL)
     yield
 
 
@@ -375,5 +477,5 @@ async def sim_workers(stack: Stack) -> AsyncIterator[None]:
 async def real_worker(stack: Stack) -> AsyncIterator[None]:
     """One vLLM worker for SmolLM2 (the slow start happens once per session)."""
     stack.worker(REAL_MODEL)
-    await wait_ready(stack.nats.url, REAL_MODEL, timeout=600)
+    await wait_ready(stack.nats, REAL_MODEL, timeout=600)
     yield

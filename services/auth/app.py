@@ -143,19 +143,19 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
     app[METRICS] = AuthMetrics()
 
     async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
-        nc = await bus.connect(common.nats_url, name="auth")
+        nc = await common.connect(Role.AUTH, "auth")
         app[BUS] = nc
         js = nc.jetstream()
         topology = common.topology
         await topology.ensure(js, Role.AUTH)
-        store = await KeyStore(js, topology, actor="admin-api").open()
+        store = await KeyStore(js, topology, actor="admin-api", role=Role.AUTH).open()
         signing = SigningKeySet(settings.signing_keys_file or folder / "signing-keys.json")
         if signing.current is None:
             await store.publish_signing_key(signing.generate(settings.algorithm), "rotate")
         app[ADMIN] = KeyAdmin(store, signing)
         ledger = BudgetLedger(
             js,
-            KeyStore(js, topology, actor="budget-ledger"),
+            KeyStore(js, topology, actor="budget-ledger", role=Role.AUTH),
             topology,
             settings.reactivate_every_s,
             app[METRICS],

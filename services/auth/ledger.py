@@ -36,7 +36,8 @@ from tollgate.keys.records import KeyRecord, KeyState, budget_window
 from tollgate.keys.store import KeyStore
 from tollgate.wire import control
 from tollgate.wire.contracts import UsageEvent
-from tollgate.wire.topology import Topology
+from tollgate.wire.permissions import inbox_prefix
+from tollgate.wire.topology import Role, Topology
 
 log = logging.getLogger("tollgate.auth.ledger")
 
@@ -71,7 +72,7 @@ class BudgetLedger:
         self._stopping.set()
 
     async def open(self) -> None:
-        await self.topology.ensure_stream(self.js, self.topology.usage)
+        await self.topology.ensure_stream(self.js, self.topology.usage, Role.AUTH)
         self.spend = await self.topology.bucket(self.js, self.topology.spend)
 
     async def spent(self, key_id: str, window: str) -> int:
@@ -89,6 +90,8 @@ class BudgetLedger:
             durable=consumer.durable,
             config=consumer.config(max_ack_pending=10_000),
             pull_sub=PullSub(batch_size=BATCH, timeout=BATCH_WINDOW_S, batch=True),
+            # pulled batches arrive in this identity's own inbox namespace
+            inbox_prefix=f"{inbox_prefix(self.topology, Role.AUTH)}.".encode(),
             ack_policy=AckPolicy.MANUAL,  # each message once it is counted
             decoder=control.contracts(UsageEvent),
             title="auth-budget",

@@ -25,6 +25,7 @@ from tollgate.models.catalog import Catalog
 from tollgate.runtime.ops import add_ops_routes
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus
+from tollgate.wire.topology import Role
 
 log = logging.getLogger("tollgate.metering")
 
@@ -65,7 +66,7 @@ def create_app(
                 "prices": prices,
             },
         )
-        nc = await bus.connect(common.nats_url, name="metering")
+        nc = await common.connect(Role.METERING, "metering")
         ingest = UsageIngest(nc, store, common.subjects, settings, metrics)
         app[INGEST] = ingest
         await QueryResponder(nc, store, common.subjects, settings.query_max_rows, metrics).start()

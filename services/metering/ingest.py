@@ -319,7 +319,9 @@ class UsageIngest:
                 break
             except NoStreamResponseError:
                 with contextlib.suppress(Exception):
-                    await self.topology.ensure_stream(self.js, self.topology.dead_letter)
+                    await self.topology.ensure_stream(
+                        self.js, self.topology.dead_letter, Role.METERING
+                    )
             except Exception as exc:
                 log.warning("dead-letter publish failed: %s: %s", type(exc).__name__, exc)
             if self._stopping.is_set():

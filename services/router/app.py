@@ -82,14 +82,14 @@ def create_app(
     app[METRICS] = metrics
 
     async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
-        nc = await bus.connect(common.nats_url, name=f"router-{settings.router_id}")
+        nc = await common.connect(Role.ROUTER, f"router-{settings.router_id}")
         js = nc.jetstream()
         topology = common.topology
         await topology.ensure(js, Role.ROUTER)
         workers = WorkerView(settings.heartbeat_misses)
         await workers.start(nc, common.subjects)
         dispatcher = Dispatcher(nc, topology, settings.router_id)
-        await dispatcher.start(catalog.models)
+        await dispatcher.start()
         metrics.track(lambda: dispatcher.in_flight, lambda: dispatcher.queued)
         app[WORKERS] = workers
         app[DISPATCHER] = dispatcher

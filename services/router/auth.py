@@ -24,7 +24,7 @@ from tollgate.keys.records import KeyRecord, KeyState, SigningKey
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import InvalidToken, TokenVerifier, strip_prefix
 from tollgate.models.catalog import ModelEntry
-from tollgate.wire.topology import Topology
+from tollgate.wire.topology import Role, Topology
 
 log = logging.getLogger("tollgate.router.auth")
 
@@ -63,7 +63,7 @@ class KeyMirror:
         return all(event.is_set() for event in self._synced.values())
 
     async def start(self, nc: NATS, topology: Topology) -> None:
-        store = await KeyStore(nc.jetstream(), topology).open()
+        store = await KeyStore(nc.jetstream(), topology, role=Role.ROUTER).open()
         self._tasks = [
             asyncio.create_task(self._watch(nc, store.keys, "keys", self._apply_key)),
             asyncio.create_task(self._watch(nc, store.signing, "signing", self._apply_signing)),

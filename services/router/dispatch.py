@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -25,7 +24,7 @@ from tollgate.wire.contracts import (
     ResponseChunk,
     Usage,
 )
-from tollgate.wire.topology import Topology
+from tollgate.wire.topology import Role, Topology
 
 log = logging.getLogger("tollgate.router.dispatch")
 
@@ -71,9 +70,8 @@ class Dispatcher:
         self.router_id = router_id
         self._calls: dict[str, Call] = {}
 
-    async def start(self, model_ids: Iterable[str]) -> None:
-        for model_id in model_ids:
-            await self.topology.ensure_stream(self.js, self.topology.infer(model_id))
+    async def start(self) -> None:
+        await self.topology.ensure_stream(self.js, self.topology.work, Role.ROUTER)
         await self.nc.subscribe(
             f"{self.subjects.reply_prefix(self.router_id)}.*", cb=self._on_chunk
         )
@@ -108,7 +106,7 @@ class Dispatcher:
                 await self.js.publish(subject, data, headers=headers, timeout=5)
             except NoStreamResponseError:
                 # The in-memory stream is gone (NATS restarted): recreate it once.
-                await self.topology.ensure_stream(self.js, self.topology.infer(request.model))
+                await self.topology.ensure_stream(self.js, self.topology.work, Role.ROUTER)
                 await self.js.publish(subject, data, headers=headers, timeout=5)
         except BaseException:
             self._calls.pop(request.request_id, None)

@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 from tollgate.wire import codec
 from tollgate.wire.contracts import UsageEvent
 from tollgate.wire.subjects import Subjects
-from tollgate.wire.topology import Topology
+from tollgate.wire.topology import Role, Topology
 
 log = logging.getLogger("tollgate.router.usage")
 
@@ -78,7 +78,7 @@ class UsagePublisher:
     async def start(self) -> None:
         topology = Topology(self.subjects)
         with contextlib.suppress(Exception):  # NATS may be down: the replayer retries
-            await topology.ensure_stream(self.js, topology.usage)
+            await topology.ensure_stream(self.js, topology.usage, Role.ROUTER)
         self._replayer = asyncio.create_task(self._replay_loop())
 
     def emit(self, event: UsageEvent) -> None:

@@ -9,6 +9,7 @@ import sys
 from aiohttp import web
 
 from services.scaler.app import create_app
+from services.scaler.backends import worker_environment
 from services.scaler.settings import ScalerSettings
 from tollgate.models.catalog import load_catalog
 from tollgate.runtime.service import cli_overrides, run_service
@@ -32,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
             if catalog.resolve(model) is None:
                 print(f"error: model {model!r} is not in the catalog", file=sys.stderr)
                 return 2
-        # Workers inherit this environment (NATS URL, catalog, var dir, ...).
-        return create_app(settings, common, catalog, dict(os.environ))
+        # Workers get the settings they need (NATS URL, catalog, var dir, ...), not all of ours.
+        env = worker_environment(os.environ, settings.worker_nkey_file)
+        return create_app(settings, common, catalog, env)
 
     return run_service("scaler", start, host=settings.host, port=settings.port, shutdown_timeout=5)
 

@@ -282,7 +282,7 @@ def create_app(
     metrics = ScalerMetrics()
 
     async def service_ctx(app: web.Application) -> AsyncIterator[None]:
-        nc = await bus.connect(common.nats_url, name="scaler")
+        nc = await common.connect(Role.SCALER, "scaler")
         scaler = Scaler(
             nc, settings, common, catalog, make_backend(settings, common, env, metrics), metrics
         )

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -74,6 +74,35 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass  # not Linux: a crashed scaler leaves its workers to the operator
+
+
+# What a local worker process inherits from the scaler's environment: the
+# process basics, the engine's and the model sources' own variables, and
+# Tollgate's common and worker settings. Other services' settings (the
+# scaler's own, admin tokens, ClickHouse passwords) and the scaler's identity
+# on the bus stay with the scaler.
+_WORKER_ENV = re.compile(
+    r"(PATH|HOME|USER|LANG|LC_\w+|TZ|TMPDIR|PYTHON\w*|VIRTUAL_ENV|LD_LIBRARY_PATH"
+    r"|VLLM_\w+|CUDA_\w+|NVIDIA_\w+|OMP_\w+|MKL_\w+|TORCH\w*|HF_\w+|TRANSFORMERS_\w+"
+    r"|AWS_\w+|OTEL_\w+|TOLLGATE_WORKER_\w+)"
+)
+_NOT_COMMON = ("ROUTER", "AUTH", "METERING", "SCALER", "ADMIN", "API", "NATS_NKEY")
+
+
+def worker_environment(environ: Mapping[str, str], nkey_file: Path | None) -> dict[str, str]:
+    """The environment a local worker starts with: only what a worker needs.
+
+    ``nkey_file`` is the workers' own identity on the bus; without one they
+    connect with none (a bus without authentication).
+    """
+    env = {}
+    for name, value in environ.items():
+        common = name.startswith("TOLLGATE_") and not name[9:].startswith(_NOT_COMMON)
+        if common or _WORKER_ENV.fullmatch(name):
+            env[name] = value
+    if nkey_file is not None:
+        env["TOLLGATE_NATS_NKEY_FILE"] = str(nkey_file)
+    return env
 
 
 class LocalBackend:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import fnmatch
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -83,3 +84,7 @@ class ScalerSettings(BaseSettings):
         description="Model id -> worker Deployment name; tollgate-worker-<slug> when absent.",
     )
     decisions_kept: int = Field(default=20, ge=1, description="Decisions shown per model.")
+    worker_nkey_file: Path | None = Field(
+        default=None,
+        description="Local backend: the workers' identity on the bus (their nkey seed file).",
+    )

@@ -103,8 +103,9 @@ class BusSignals:
 
     async def queued(self, model: str) -> int:
         """Requests in the model's work queue that no worker has taken yet."""
+        subject = self.subjects.infer(model)
         try:
-            info = await self.js.stream_info(self.subjects.infer_stream(model))
+            info = await self.js.stream_info(self.subjects.infer_stream, subjects_filter=subject)
         except NotFoundError:
             return 0
-        return int(info.state.messages)
+        return int((info.state.subjects or {}).get(subject, 0))

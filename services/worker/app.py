@@ -24,6 +24,7 @@ from tollgate.models.sources import FetchOptions
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus
 from tollgate.wire.contracts import Endpoint
+from tollgate.wire.topology import Role
 
 log = logging.getLogger("tollgate.worker")
 
@@ -105,7 +106,7 @@ def process_age_s() -> float | None:
 async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     """Serve one model until SIGTERM/SIGINT or a drain request, then drain."""
     entry = load_catalog(common.catalog).get(settings.model)
-    nc = await bus.connect(common.nats_url, name=f"worker-{settings.worker_id}")
+    nc = await common.connect(Role.WORKER, f"worker-{settings.worker_id}")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

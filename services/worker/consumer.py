@@ -44,7 +44,7 @@ from tollgate.wire.contracts import (
 )
 from tollgate.wire.errors import error_json
 from tollgate.wire.subjects import Subjects
-from tollgate.wire.topology import Topology
+from tollgate.wire.topology import Role, Topology
 
 log = logging.getLogger("tollgate.worker")
 
@@ -120,7 +120,7 @@ class WorkerConsumer:
     async def start(self) -> None:
         """Subscribe to cancels and start the pull loop: the worker is ready."""
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel)
-        await self.topology.ensure_stream(self.js, self.topology.infer(self.model_id))
+        await self.topology.ensure_stream(self.js, self.topology.work, Role.WORKER)
         self.state = WorkerState.READY
         await self._send_heartbeat()
         self._tasks.append(asyncio.create_task(self._pull_loop(), name="pull"))
@@ -224,7 +224,7 @@ class WorkerConsumer:
     async def _subscribe(self) -> Any:
         consumer = self.topology.workers(self.model_id)
         config = consumer.config(ack_wait=self.settings.ack_wait_s, max_ack_pending=-1)
-        await self.topology.ensure_stream(self.js, self.topology.infer(self.model_id))
+        await self.topology.ensure_stream(self.js, self.topology.work, Role.WORKER)
         return await self.js.pull_subscribe(
             consumer.filter_subject, durable=consumer.durable, stream=consumer.stream, config=config
         )
@@ -237,7 +237,7 @@ class WorkerConsumer:
         """
         try:
             await self.js.consumer_info(
-                self.subjects.infer_stream(self.model_id),
+                self.subjects.infer_stream,
                 self.subjects.infer_consumer(self.model_id),
             )
         except NotFoundError:

@@ -9,6 +9,7 @@ requests, token counts), which vLLM keeps in the default registry.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Awaitable, Callable, Iterator
 
 from aiohttp import web
@@ -18,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from tollgate.runtime.ops import add_ops_routes
 from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
+from tollgate.wire.errors import error_body
 
 
 class WorkerMetrics:
@@ -78,6 +80,13 @@ class _LoadCollector(Collector):
         yield state
 
 
+def _loopback(peer: str | None) -> bool:
+    try:
+        return peer is not None and ipaddress.ip_address(peer).is_loopback
+    except ValueError:
+        return False
+
+
 def create_http_app(
     metrics: WorkerMetrics,
     state: Callable[[], WorkerState],
@@ -86,8 +95,16 @@ def create_http_app(
     async def drain_endpoint(request: web.Request) -> web.Response:
         """Stop fetching and answer once in-flight requests are done.
 
-        GET as well as POST: Kubernetes ``preStop`` hooks can only send GET.
+        Only from this machine (or this pod): the port also serves metrics to
+        a scraper elsewhere, and nothing elsewhere may take a worker out of
+        service. Across the network workers drain on SIGTERM, or on a drain
+        order over NATS, which only the scaler and the operator may send.
         """
+        if not _loopback(request.remote):
+            return web.json_response(
+                error_body("/drain only answers on the loopback interface", "permission_error"),
+                status=403,
+            )
         await drain()
         return web.json_response({"state": state().value})
 

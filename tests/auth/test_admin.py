@@ -14,7 +14,6 @@ from tests.conftest import SIM_MODEL, SLOW_MODEL, Stack
 from tests.lib.streams import read_subject
 from tests.router.test_auth import wait_status
 from tollgate.keys.tokens import auth_dir
-from tollgate.wire import bus
 from tollgate.wire.subjects import Subjects
 
 pytestmark = pytest.mark.usefixtures("sim_workers")
@@ -85,7 +84,7 @@ async def test_key_lifecycle_reaches_the_router(
 
 
 async def audit_actions(stack: Stack, key_id: str) -> list[str]:
-    nc = await bus.connect(stack.nats.url, "test-audit")
+    nc = await stack.nats.connect(name="test-audit")
     try:
         js = nc.jetstream()
         actions = []
@@ -119,7 +118,7 @@ async def test_rotation_and_retirement(admin: httpx.Client, router_url: str, api
 
 
 async def spend_of(stack: Stack, key: str) -> int:
-    nc = await bus.connect(stack.nats.url, "test-spend")
+    nc = await stack.nats.connect(name="test-spend")
     try:
         entry = await (await nc.jetstream().key_value("tg_spend")).get(key)
         return int(orjson.loads(entry.value or b"{}")["tokens"])

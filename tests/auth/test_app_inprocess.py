@@ -21,10 +21,8 @@ from tests.conftest import NatsServer
 from tests.lib.streams import read_subject
 from tollgate.keys.records import AuditEvent, KeyState
 from tollgate.keys.store import KeyStore
-from tollgate.runtime.settings import CommonSettings
-from tollgate.wire import bus
 from tollgate.wire.subjects import Subjects
-from tollgate.wire.topology import Topology
+from tollgate.wire.topology import Role, Topology
 
 ADMIN_TOKEN = "tga-in-process-test"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -39,9 +37,7 @@ async def subjects() -> Subjects:
 async def client(
     nats_server: NatsServer, tmp_path: Path, subjects: Subjects
 ) -> AsyncIterator[TestClient]:  # type: ignore[type-arg]
-    common = CommonSettings(
-        nats_url=nats_server.url, subject_prefix=subjects.prefix, var_dir=tmp_path
-    )
+    common = nats_server.settings(Role.AUTH, subjects.prefix, var_dir=tmp_path)
     settings = AuthSettings(
         admin_token=SecretStr(ADMIN_TOKEN), signing_keys_file=tmp_path / "signing-keys.json"
     )
@@ -51,7 +47,7 @@ async def client(
 
 @pytest.fixture
 async def store(nats_server: NatsServer, subjects: Subjects) -> AsyncIterator[KeyStore]:
-    nc = await bus.connect(nats_server.url, "test-auth-store")
+    nc = await nats_server.connect(name="test-auth-store")
     try:
         yield await KeyStore(nc.jetstream(), Topology(subjects), actor="test").open()
     finally:

@@ -207,7 +207,7 @@ async def wait_for(check: Callable[[], Any], what: str, timeout: float = 20) -> 
 
 async def test_the_ledger_counts_acks_and_stops_cleanly_on_nats(nats_server: NatsServer) -> None:
     topology = Topology(Subjects(f"ledger{uuid.uuid4().hex[:6]}"))
-    nc = await bus.connect(nats_server.url, "test-ledger")
+    nc = await nats_server.connect(name="test-ledger")
     js = nc.jetstream()
     try:
         await topology.ensure(js, Role.AUTH)

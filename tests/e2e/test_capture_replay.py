@@ -22,7 +22,6 @@ import pytest
 from tests.conftest import REAL_MODEL, SIM_MODEL, Service, Stack
 from tests.router.test_auth import make_key, wait_status
 from tollgate.analytics import run_query
-from tollgate.wire import bus
 from tollgate.wire.subjects import Subjects
 
 pytestmark = pytest.mark.usefixtures("sim_workers")
@@ -37,7 +36,7 @@ def metering(stack: Stack) -> Iterator[Service]:
 
 async def rows(stack: Stack, sql: str, want: int, timeout: float = 30) -> list[list[Any]]:
     """Poll a read-only query until it returns ``want`` rows."""
-    nc = await bus.connect(stack.nats.url, "test-capture")
+    nc = await stack.nats.connect(name="test-capture")
     try:
         deadline = time.monotonic() + timeout
         while True:

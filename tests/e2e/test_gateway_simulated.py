@@ -54,7 +54,7 @@ async def test_disconnect_frees_the_slot(
     router_url: str, stack: Stack, auth_headers: dict[str, str]
 ) -> None:
     body = {"model": SLOW_MODEL, "stream": True, "messages": MESSAGES}
-    async with HeartbeatWatch(stack.nats.url, Subjects()) as watch:
+    async with HeartbeatWatch(stack.nats, Subjects()) as watch:
         async with httpx.AsyncClient(timeout=30, headers=auth_headers) as http:
             async with http.stream("POST", f"{router_url}/v1/chat/completions", json=body) as r:
                 request_id = r.headers["x-request-id"]
@@ -81,7 +81,7 @@ async def test_worker_killed_mid_stream_ends_the_stream_with_an_error(
 ) -> None:
     # A dedicated worker for the slow model, so killing it spares the others.
     victim = stack.worker(SLOW_MODEL)
-    await wait_ready(stack.nats.url, SLOW_MODEL, count=2)
+    await wait_ready(stack.nats, SLOW_MODEL, count=2)
     # 100 tokens at 10/s: streams outlive the 3 s heartbeat window by far.
     body = {"model": SLOW_MODEL, "stream": True, "messages": MESSAGES, "max_tokens": 100}
     async with httpx.AsyncClient(timeout=30, headers=auth_headers) as http:
@@ -174,7 +174,7 @@ async def test_sigterm_drains_in_flight_streams(
 ) -> None:
     model = "sim/drain"
     worker = stack.worker(model)
-    await wait_ready(stack.nats.url, model)
+    await wait_ready(stack.nats, model)
     body = {"model": model, "stream": True, "messages": MESSAGES, "max_tokens": 20}
     async with httpx.AsyncClient(timeout=30, headers=auth_headers) as http:
         async with http.stream("POST", f"{router_url}/v1/chat/completions", json=body) as r:
@@ -193,7 +193,7 @@ async def test_a_request_whose_client_left_in_the_queue_is_never_run(
     router_url: str, stack: Stack, auth_headers: dict[str, str]
 ) -> None:
     body = {"model": SLOW_MODEL, "stream": True, "messages": MESSAGES, "max_tokens": 200}
-    async with HeartbeatWatch(stack.nats.url, Subjects()) as watch:
+    async with HeartbeatWatch(stack.nats, Subjects()) as watch:
         await watch.wait_for(lambda _: bool(watch.ready(SLOW_MODEL)))
         slots = sum(b.slots_total for b in watch.ready(SLOW_MODEL))
         async with httpx.AsyncClient(timeout=30, headers=auth_headers) as http:

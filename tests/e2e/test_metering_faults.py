@@ -46,7 +46,6 @@ from tests.lib.streams import read_subject
 from tests.router.test_auth import make_key, wait_status
 from tollgate.analytics import run_query
 from tollgate.keys.store import bootstrap
-from tollgate.wire import bus
 from tollgate.wire.contracts import QueryResult
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Topology
@@ -80,7 +79,7 @@ class MeterStack:
     subjects: Subjects = field(default_factory=Subjects)
 
     async def query(self, sql: str, **parameters: Any) -> QueryResult:
-        nc = await bus.connect(self.stack.nats.url, "test-query")
+        nc = await self.stack.nats.connect(name="test-query")
         try:
             result = await run_query(nc, self.subjects, sql, parameters, timeout=30)
         finally:
@@ -113,7 +112,7 @@ async def meter_stack(
     (var / "models.toml").write_text(CATALOG)
     stack = Stack(nats, var)
     cache = str(prepared_model.parent.parent)
-    nc = await bus.connect(nats.url, "test-bootstrap")
+    nc = await nats.connect(name="test-bootstrap")
     await bootstrap(nc.jetstream(), Topology(Subjects()), var)
     await nc.close()
     try:
@@ -122,7 +121,7 @@ async def meter_stack(
         )
         metering, metering_url = stack.metering(TOLLGATE_METERING_BATCH_MAX_WAIT_S="0.3")
         workers = [stack.worker(METER_MODEL, TOLLGATE_MODEL_CACHE=cache) for _ in range(2)]
-        await wait_ready(nats.url, METER_MODEL, count=2)
+        await wait_ready(nats, METER_MODEL, count=2)
         yield MeterStack(stack, router_url, metering, metering_url, workers, cache)
     finally:
         stack.stop_all()
@@ -254,7 +253,7 @@ class Mix:
         kinds.sort(key=lambda k: k != "victim")  # victims first: they stream while others run
         gate = asyncio.Semaphore(32 + VICTIMS)
         victim_worker = self.ms.stack.worker(VICTIM_MODEL, TOLLGATE_MODEL_CACHE=self.ms.model_cache)
-        await wait_ready(self.ms.stack.nats.url, VICTIM_MODEL)
+        await wait_ready(self.ms.stack.nats, VICTIM_MODEL)
         timeout = httpx.Timeout(60, connect=10)
         limits = httpx.Limits(max_connections=64)
         async with httpx.AsyncClient(
@@ -297,7 +296,7 @@ class Mix:
 
 async def settle(ms: MeterStack, tenant: str, want: int, timeout: float = 90) -> None:
     """Until the tenant has ``want`` rows and the metering consumer has nothing pending."""
-    nc = await bus.connect(ms.stack.nats.url, "test-settle")
+    nc = await ms.stack.nats.connect(name="test-settle")
     js = nc.jetstream()
     state: tuple[Any, ...] = ()
     try:
@@ -381,7 +380,7 @@ async def test_every_ending_yields_exactly_one_row(meter_stack: MeterStack) -> N
 
     async def malformed(mix: Mix) -> None:
         # Garbage on the usage subject, among the real events.
-        nc = await bus.connect(ms.stack.nats.url, "test-garbage")
+        nc = await ms.stack.nats.connect(name="test-garbage")
         js = nc.jetstream()
         for body in (b"not json", b'{"type": "tg.usage.v1"}', b"[]"):
             await mix.reached(100)
@@ -396,7 +395,7 @@ async def test_every_ending_yields_exactly_one_row(meter_stack: MeterStack) -> N
 
     # The same events published twice: with the same message id (the stream
     # drops them) and as new messages (the metering service skips them).
-    nc = await bus.connect(ms.stack.nats.url, "test-replay")
+    nc = await ms.stack.nats.connect(name="test-replay")
     js = nc.jetstream()
     events = [msg.data for msg in await read_subject(js, ms.subjects.usage(tenant))]
     valid = [e for e in events if e.startswith(b"{") and b"request_id" in e]

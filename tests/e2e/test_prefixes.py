@@ -16,7 +16,6 @@ import pytest
 from tests.conftest import CATALOG, SIM_MODEL, NatsServer, Stack, wait_ready
 from tests.lib.streams import read_subject
 from tollgate.keys.store import bootstrap
-from tollgate.wire import bus
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Topology
 
@@ -24,7 +23,7 @@ BODY = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}], "ma
 
 
 async def _bootstrap(stack: Stack, prefix: str) -> str:
-    nc = await bus.connect(stack.nats.url, f"test-{prefix}")
+    nc = await stack.nats.connect(name=f"test-{prefix}")
     try:
         return await bootstrap(nc.jetstream(), Topology(Subjects(prefix)), stack.var_dir)
     finally:
@@ -64,7 +63,7 @@ async def test_two_prefixes_on_one_server_do_not_see_each_other(
     try:
         key_one, key_two = await _bootstrap(one, "tga"), await _bootstrap(two, "tgb")
         one.worker(SIM_MODEL)
-        await wait_ready(nats_server.url, SIM_MODEL, subjects=Subjects("tga"))
+        await wait_ready(nats_server, SIM_MODEL, subjects=Subjects("tga"))
         _, url_one = one.router()
         _, url_two = two.router(TOLLGATE_ROUTER_QUEUE_TIMEOUT_S="2")
 
@@ -83,7 +82,7 @@ async def test_two_prefixes_on_one_server_do_not_see_each_other(
             waiting = await call(url_two, key_two)
             assert waiting.status_code == 503, waiting.text
 
-        nc = await bus.connect(nats_server.url, "test-prefixes")
+        nc = await nats_server.connect(name="test-prefixes")
         js = nc.jetstream()
         try:
             a, b = Subjects("tga"), Subjects("tgb")

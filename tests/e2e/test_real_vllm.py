@@ -212,7 +212,7 @@ async def test_two_models_are_routed_to_their_own_workers(
 async def test_client_disconnect_frees_the_slot(
     router_url: str, stack: Stack, auth_headers: dict[str, str]
 ) -> None:
-    async with HeartbeatWatch(stack.nats.url, Subjects()) as watch:
+    async with HeartbeatWatch(stack.nats, Subjects()) as watch:
         async with httpx.AsyncClient(timeout=60, headers=auth_headers) as http:
             body = {
                 "model": REAL_MODEL,

@@ -27,7 +27,7 @@ async def test_a_request_is_one_trace_across_router_and_worker(stack: Stack, api
     router, url = stack.router(**OTEL)
     worker = stack.worker(OBSERVED_MODEL, **OTEL)
     try:
-        await wait_ready(stack.nats.url, OBSERVED_MODEL, timeout=120)
+        await wait_ready(stack.nats, OBSERVED_MODEL, timeout=120)
         r = httpx.post(
             f"{url}/v1/chat/completions",
             headers={"Authorization": f"Bearer {api_key}"},

@@ -60,12 +60,11 @@ async def test_every_stream_and_bucket_is_replicated(
             except Exception:
                 await asyncio.sleep(0.2)
         # the whole declared topology, each part as the service that uses it creates it
-        await topology.ensure(js, models=["some/model"])
+        await topology.ensure(js)
         await KeyStore(js, topology).open()
         await Limiter.open(js, topology)
         names = [
             *(spec.name for spec in topology.streams),
-            topology.infer("some/model").name,
             *(f"KV_{bucket.name}" for bucket in topology.buckets),
         ]
         assert {"TG_USAGE", "TG_AUDIT", "KV_tg_keys", "KV_tg_budgets"} <= set(names)

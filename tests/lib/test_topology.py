@@ -11,7 +11,6 @@ from nats.js.api import StreamConfig
 from nats.js.errors import BadRequestError
 
 from tests.conftest import NatsServer
-from tollgate.wire import bus
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Role, Topology, describe
 
@@ -30,7 +29,7 @@ def test_the_documented_table_is_the_topology() -> None:
 
 def test_every_name_carries_the_prefix() -> None:
     topology = Topology(Subjects("acme"))
-    for stream in (*topology.streams, topology.infer("m")):
+    for stream in topology.streams:
         assert stream.name.startswith("ACME_")
         assert all(s.startswith("acme.") for s in stream.subjects)
     for bucket in topology.buckets:
@@ -43,27 +42,27 @@ def test_every_name_carries_the_prefix() -> None:
 
 def test_every_entry_has_a_writer_and_a_reader() -> None:
     topology = Topology(Subjects())
-    for entry in (*topology.streams, *topology.buckets, topology.infer("m")):
+    for entry in (*topology.streams, *topology.buckets):
         assert entry.writers and entry.readers, entry.name
     for subject in topology.core:
         assert subject.publishers and subject.subscribers, subject.pattern
-    streams = {s.name: s for s in (*topology.streams, topology.infer("m"))}
+    streams = {s.name: s for s in topology.streams}
     for consumer in (*topology.consumers, topology.workers("m")):
         assert consumer.reader in streams[consumer.stream].readers, consumer.durable
 
 
 async def test_ensure_is_idempotent_and_per_role(nats_server: NatsServer) -> None:
     topology = Topology(Subjects("topo"))
-    nc = await bus.connect(nats_server.url, "test-topology")
+    nc = await nats_server.connect(name="test-topology")
     js = nc.jetstream()
     try:
         await topology.ensure(js, Role.SCALER)
         names = {s.config.name for s in await js.streams_info()}
         assert "TOPO_SCALE" in names and "TOPO_USAGE" not in names
-        await topology.ensure(js, models=["some/model"])
-        await topology.ensure(js, models=["some/model"])  # again: no error, same shape
+        await topology.ensure(js)
+        await topology.ensure(js)  # again: no error, same shape
         names = {s.config.name for s in await js.streams_info()}
-        expected = {s.name for s in topology.streams} | {topology.infer("some/model").name}
+        expected = {s.name for s in topology.streams}
         expected |= {f"KV_{b.name}" for b in topology.buckets}
         assert expected <= names
         info = await js.stream_info(topology.usage.name)
@@ -76,16 +75,19 @@ async def test_ensure_reshapes_a_stream_but_raises_on_an_overlapping_one(
     nats_server: NatsServer,
 ) -> None:
     topology = Topology(Subjects("reshape"))
-    nc = await bus.connect(nats_server.url, "test-topology-reshape")
+    nc = await nats_server.connect(name="test-topology-reshape")
     js = nc.jetstream()
     try:
-        spec = topology.infer("m")
+        spec = topology.work
         await js.add_stream(dataclasses.replace(spec.config(1), max_age=3600))
-        await topology.ensure_stream(js, spec)  # exists with another shape: updated
+        # a reader leaves the other shape alone: only writers may update it
+        await topology.ensure_stream(js, spec, Role.WORKER)
+        assert (await js.stream_info(spec.name)).config.max_age == 3600
+        await topology.ensure_stream(js, spec, Role.ROUTER)  # its writer updates it
         info = await js.stream_info(spec.name)
         assert info.config.max_age == spec.max_age_s
         # Another stream holds the subjects: the server's reason, not an update's.
-        taken = topology.infer("taken")
+        taken = topology.capture
         await js.add_stream(StreamConfig(name="RESHAPE_SQUATTER", subjects=list(taken.subjects)))
         with pytest.raises(BadRequestError) as refused:
             await topology.ensure_stream(js, taken)

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import NatsServer
 from tollgate.runtime.workers import WorkerView
-from tollgate.wire import bus, codec
+from tollgate.wire import codec
 from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
 from tollgate.wire.subjects import Subjects
 
@@ -103,7 +103,7 @@ async def test_the_view_follows_heartbeats_on_the_bus(nats_server: NatsServer) -
     subjects = Subjects(prefix=f"t{uuid.uuid4().hex[:8]}")
     got: asyncio.Queue[WorkerHeartbeat] = asyncio.Queue()
     view = WorkerView(3, on_beat=got.put_nowait)
-    nc = await bus.connect(nats_server.url, "test-worker-view")
+    nc = await nats_server.connect(name="test-worker-view")
     try:
         await view.start(nc, subjects)
         await nc.publish(subjects.heartbeat("org/a"), b"not a heartbeat")

@@ -20,7 +20,6 @@ from services.metering.metrics import MeteringMetrics
 from services.metering.settings import MeteringSettings
 from services.metering.store import StoreUnavailable, UsageStore
 from tests.conftest import NatsServer
-from tollgate.wire import bus
 from tollgate.wire.subjects import Subjects
 
 
@@ -99,7 +98,7 @@ class Harness:
 
 @pytest.fixture
 async def harness(nats_server: NatsServer, store: UsageStore) -> AsyncIterator[Harness]:
-    nc = await bus.connect(nats_server.url, "test-ingest")
+    nc = await nats_server.connect(name="test-ingest")
     subjects = Subjects(f"t{uuid.uuid4().hex[:8]}")
     metrics = MeteringMetrics()
     settings = MeteringSettings(batch_max_rows=100, batch_max_wait_s=0.2, retry_max_s=0.2)

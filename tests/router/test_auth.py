@@ -17,7 +17,6 @@ from tests.conftest import SIM_MODEL, SLOW_MODEL, Stack
 from tollgate.keys.records import KeyState
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import SigningKeySet, auth_dir, new_key, strip_prefix
-from tollgate.wire import bus
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Topology
 
@@ -32,7 +31,7 @@ def signing_keys(stack: Stack) -> SigningKeySet:
 async def make_key(stack: Stack, **kwargs: object) -> tuple[str, str]:
     """Issue and whitelist a key; returns (token, key id)."""
     token, record = new_key(signing_keys(stack), tenant=str(kwargs.pop("tenant", "t1")), **kwargs)  # type: ignore[arg-type]
-    nc = await bus.connect(stack.nats.url, "test-keys")
+    nc = await stack.nats.connect(name="test-keys")
     try:
         await (await KeyStore(nc.jetstream(), Topology(Subjects())).open()).put(record)
     finally:
@@ -118,7 +117,7 @@ def test_signed_but_not_on_the_whitelist(router_url: str, stack: Stack) -> None:
 async def test_revoked_key(router_url: str, stack: Stack) -> None:
     token, key_id = await make_key(stack)
     await wait_status(router_url, token, 200)
-    nc = await bus.connect(stack.nats.url, "test-revoke")
+    nc = await stack.nats.connect(name="test-revoke")
     try:
         record = await (await KeyStore(nc.jetstream(), Topology(Subjects())).open()).revoke(key_id)
     finally:
@@ -158,7 +157,7 @@ async def test_revocation_reaches_every_router(router_url: str, stack: Stack) ->
     token, key_id = await make_key(stack)
     for url in (router_url, second):
         await wait_status(url, token, 200)
-    nc = await bus.connect(stack.nats.url, "test-revoke")
+    nc = await stack.nats.connect(name="test-revoke")
     try:
         store = await KeyStore(nc.jetstream(), Topology(Subjects())).open()
         started = time.monotonic()

@@ -15,7 +15,7 @@ async def test_two_routers_racing_on_one_counter_stop_at_its_limit(
     nats_server: NatsServer,
 ) -> None:
     topology = Topology(Subjects("counters"))
-    nc = await bus.connect(nats_server.url, "test-counters")
+    nc = await nats_server.connect(name="test-counters")
     try:
         kv = await topology.bucket(nc.jetstream(), topology.ratelimits)
         routers = (CounterStore(kv), CounterStore(kv))

@@ -54,8 +54,7 @@ from tests.conftest import NatsServer
 from tests.lib.net import free_port
 from tests.lib.streams import read_subject
 from tollgate.models.catalog import Catalog, ModelEntry
-from tollgate.runtime.settings import CommonSettings
-from tollgate.wire import bus, codec
+from tollgate.wire import codec
 from tollgate.wire.contracts import (
     CancelRequest,
     ChunkKind,
@@ -69,7 +68,7 @@ from tollgate.wire.contracts import (
     WorkerState,
 )
 from tollgate.wire.subjects import Subjects
-from tollgate.wire.topology import Topology
+from tollgate.wire.topology import Role, Topology
 
 MODEL = "sim/lifecycle"
 CATALOG = Catalog(
@@ -271,9 +270,7 @@ async def open_router(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[
         handler_cancellation: bool = False, server: NatsServer = nats_server, **overrides: Any
     ) -> Router:
         subjects = Subjects(f"life-{uuid.uuid4().hex[:10]}")
-        common = CommonSettings(
-            nats_url=server.url, subject_prefix=subjects.prefix, var_dir=tmp_path
-        )
+        common = server.settings(Role.ROUTER, subjects.prefix, var_dir=tmp_path)
         settings = RouterSettings(
             **{
                 "auth": False,
@@ -283,7 +280,7 @@ async def open_router(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[
                 **overrides,
             }
         )
-        nc = await bus.connect(server.url, "test-lifecycle")
+        nc = await server.connect(name="test-lifecycle")
         usage_sub = await nc.subscribe(subjects.usage_all)
         cancel_sub = await nc.subscribe(subjects.cancel_all)
         app = create_app(settings, common, CATALOG)

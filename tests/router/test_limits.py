@@ -11,7 +11,6 @@ import pytest
 from tests.conftest import SIM_MODEL, Stack
 from tests.router.test_auth import make_key, wait_status
 from tollgate.keys.records import KeyRecord
-from tollgate.wire import bus
 
 pytestmark = pytest.mark.usefixtures("sim_workers")
 
@@ -75,7 +74,7 @@ async def test_tokens_per_minute_refuse_a_request_that_cannot_fit(
 
 
 async def budget_used(stack: Stack, record_key: str) -> int:
-    nc = await bus.connect(stack.nats.url, "test-budget")
+    nc = await stack.nats.connect(name="test-budget")
     try:
         kv = await nc.jetstream().key_value("tg_budgets")
         entry = await kv.get(record_key)

@@ -33,8 +33,8 @@ def event(i: int) -> UsageEvent:
     )
 
 
-async def stream_count(url: str) -> int:
-    nc = await bus.connect(url, "test-count")
+async def stream_count(nats: NatsServer) -> int:
+    nc = await nats.connect(name="test-count")
     try:
         info = await nc.jetstream().stream_info(SUBJECTS.usage_stream)
         return int(info.state.messages)
@@ -54,7 +54,7 @@ async def test_outage_delays_events_and_a_restart_replays_them(
     own_nats: NatsServer, tmp_path: Path
 ) -> None:
     path = tmp_path / "outbox.db"
-    nc = await bus.connect(own_nats.url, "test-router")
+    nc = await own_nats.connect(name="test-router")
     publisher = UsagePublisher(nc.jetstream(), SUBJECTS, Outbox(path), retry_every_s=0.2)
     await publisher.start()
     for i in range(50):
@@ -77,7 +77,7 @@ async def test_outage_delays_events_and_a_restart_replays_them(
 
     # NATS comes back and a new router process replays the outbox.
     own_nats.start()
-    nc = await bus.connect(own_nats.url, "test-router")
+    nc = await own_nats.connect(name="test-router")
     publisher = UsagePublisher(nc.jetstream(), SUBJECTS, Outbox(path), retry_every_s=0.2)
     await publisher.start()
     publisher.emit(event(50))  # the same event again: the stream drops the duplicate
@@ -87,4 +87,4 @@ async def test_outage_delays_events_and_a_restart_replays_them(
         await asyncio.sleep(0.1)
     await publisher.flush()
     await nc.close()
-    assert await stream_count(own_nats.url) == 120
+    assert await stream_count(own_nats) == 120

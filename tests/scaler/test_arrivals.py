@@ -8,7 +8,6 @@ import time
 from services.router.dispatch import Dispatcher
 from services.scaler.signals import BusSignals
 from tests.conftest import NatsServer
-from tollgate.wire import bus
 from tollgate.wire.contracts import Endpoint, InferenceRequest
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Topology
@@ -33,14 +32,14 @@ def request(i: int, reply_to: str) -> InferenceRequest:
 
 
 async def test_arrivals_wake_the_scaler_without_request_bodies(nats_server: NatsServer) -> None:
-    router_nc = await bus.connect(nats_server.url, "test-router")
-    scaler_nc = await bus.connect(nats_server.url, "test-scaler")
+    router_nc = await nats_server.connect(name="test-router")
+    scaler_nc = await nats_server.connect(name="test-scaler")
     try:
         signals = BusSignals(scaler_nc, SUBJECTS)
         await signals.start()
         await scaler_nc.flush()
         dispatcher = Dispatcher(router_nc, Topology(SUBJECTS), "r1")
-        await dispatcher.start([MODEL])
+        await dispatcher.start()
         before = scaler_nc.stats["in_bytes"]
         for i in range(3):
             await dispatcher.submit(request(i, dispatcher.reply_subject(f"req-{i}")))

@@ -21,7 +21,6 @@ import pytest
 
 from tests.conftest import SCALE_MODEL, HeartbeatWatch, Service, Stack
 from tests.lib.streams import read_subject
-from tollgate.wire import bus
 from tollgate.wire.subjects import Subjects
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -109,7 +108,7 @@ async def test_a_request_to_a_model_at_zero_completes_after_a_worker_starts(
     print(f"cold start of a simulated worker, request to answer: {waited:.2f} s")
 
     # every decision is also an event on tg.scale.<model-token>
-    nc = await bus.connect(stack.nats.url, "test-scale-events")
+    nc = await stack.nats.connect(name="test-scale-events")
     try:
         js = nc.jetstream()
         events = [json.loads(m.data) for m in await read_subject(js, Subjects().scale(SCALE_MODEL))]
@@ -125,7 +124,7 @@ async def test_a_burst_scales_up_and_idle_scales_to_zero(
     scaler: tuple[Service, str], stack: Stack, aclient: openai.AsyncOpenAI
 ) -> None:
     service, base = scaler
-    async with HeartbeatWatch(stack.nats.url, Subjects()) as watch:
+    async with HeartbeatWatch(stack.nats, Subjects()) as watch:
         burst = [asyncio.create_task(stream(aclient)) for _ in range(12)]
         # 12 requests at two per worker want 6: the policy caps at 3
         await watch.wait_for(lambda _: len(watch.ready(SCALE_MODEL)) == 3, timeout=60)
@@ -150,7 +149,7 @@ async def test_a_crashed_worker_is_restarted(
 ) -> None:
     service, base = scaler
     hold = asyncio.create_task(stream(aclient))  # 5 s: keeps one worker
-    async with HeartbeatWatch(stack.nats.url, Subjects()) as watch:
+    async with HeartbeatWatch(stack.nats, Subjects()) as watch:
         await watch.wait_for(
             lambda b: any(x.model == SCALE_MODEL and x.slots_used == 1 for x in b.values()), 30
         )

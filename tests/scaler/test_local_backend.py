@@ -35,7 +35,7 @@ async def test_scale_down_of_busy_workers_aborts_nothing(
     backend = LocalBackend(stack.env(), stack.var_dir / "logs", drain_timeout_s=60)
     await backend.start()
     try:
-        async with HeartbeatWatch(stack.nats.url, Subjects()) as watch:
+        async with HeartbeatWatch(stack.nats, Subjects()) as watch:
             await backend.scale(SCALE_MODEL, 2, [])
             await watch.wait_for(lambda _: len(watch.ready(SCALE_MODEL)) == 2, timeout=60)
             # four 5-second streams fill both workers' two slots

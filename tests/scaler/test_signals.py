@@ -11,7 +11,7 @@ import pytest
 from services.scaler.settings import ScalerSettings
 from services.scaler.signals import BusSignals
 from tests.conftest import NatsServer
-from tollgate.wire import bus, codec
+from tollgate.wire import codec
 from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
 from tollgate.wire.subjects import Subjects
 
@@ -38,7 +38,7 @@ def test_heartbeat_misses_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_model_view_from_heartbeats_on_the_bus(nats_server: NatsServer) -> None:
     subjects = Subjects(prefix=f"t{uuid.uuid4().hex[:8]}")
-    nc = await bus.connect(nats_server.url, "test-scaler-signals")
+    nc = await nats_server.connect(name="test-scaler-signals")
     try:
         signals = BusSignals(nc, subjects, heartbeat_misses=2)
         seen = asyncio.Event()

@@ -24,7 +24,7 @@ async def test_worker_metrics_count_what_it_served(
 ) -> None:
     port = free_port()
     worker = stack.worker(OBSERVED_MODEL, TOLLGATE_WORKER_PORT=str(port))
-    await wait_ready(stack.nats.url, OBSERVED_MODEL, timeout=120)
+    await wait_ready(stack.nats, OBSERVED_MODEL, timeout=120)
     base = f"http://127.0.0.1:{port}"
     async with httpx.AsyncClient() as http:
         assert (await http.get(f"{base}/healthz")).status_code == 200

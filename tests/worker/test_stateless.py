@@ -26,7 +26,7 @@ async def test_a_stateless_worker_fetches_on_start_and_leaves_nothing(
         'cache = "none"\nsimulated = { max_num_seqs = 2 }\n'
     )
     cache = tmp_path / "cache"
-    async with HeartbeatWatch(stack.nats.url, Subjects()) as watch:
+    async with HeartbeatWatch(stack.nats, Subjects()) as watch:
         worker = stack.worker(
             MODEL,
             TOLLGATE_CATALOG=str(catalog),

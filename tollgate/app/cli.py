@@ -12,8 +12,10 @@ import time
 from datetime import date, timedelta
 from typing import Any
 
+from tollgate.app import buscli
 from tollgate.models.catalog import load_catalog
 from tollgate.runtime.settings import CommonSettings
+from tollgate.wire.topology import Role
 
 
 def _run_service(module: str, argv: list[str]) -> int:
@@ -101,7 +103,7 @@ async def _keys_async(ns: argparse.Namespace) -> int:
     from tollgate.wire import bus
 
     common = CommonSettings()
-    nc = await bus.connect(common.nats_url, name="tollgate-cli")
+    nc = await common.connect(Role.ADMIN, "tollgate-cli")
     try:
         store = await KeyStore(
             nc.jetstream(), common.topology, actor=f"cli:{getpass.getuser()}"
@@ -154,7 +156,7 @@ async def _query_async(ns: argparse.Namespace, sql: str, parameters: dict[str, A
     from tollgate.wire import bus
 
     common = CommonSettings()
-    nc = await bus.connect(common.nats_url, name="tollgate-cli")
+    nc = await common.connect(Role.ADMIN, "tollgate-cli")
     try:
         result = await run_query(nc, common.subjects, sql, parameters, max_rows=ns.max_rows)
     except MeteringUnavailable as exc:
@@ -193,7 +195,7 @@ async def _scaler_status_async(as_json: bool) -> int:
     from tollgate.wire import bus
 
     common = CommonSettings()
-    nc = await bus.connect(common.nats_url, name="tollgate-cli")
+    nc = await common.connect(Role.ADMIN, "tollgate-cli")
     try:
         reply = await nc.request(common.subjects.scaler_status, b"{}", timeout=5)
     except (NoRespondersError, TimeoutError, NatsTimeoutError):
@@ -244,7 +246,7 @@ async def _replay_async(ns: argparse.Namespace) -> int:
     if not api_key:
         print("error: give --api-key (or TOLLGATE_API_KEY)", file=sys.stderr)
         return 2
-    nc = await bus.connect(common.nats_url, name="tollgate-replay")
+    nc = await common.connect(Role.ADMIN, "tollgate-replay")
     try:
         report = await replay(
             nc,
@@ -354,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--concurrency", type=int, default=4)
     rp.add_argument("--out", help="report file (default replay-<id>.md; JSON beside it)")
     rp.set_defaults(func=_replay)
+    buscli.add_parser(sub)
     sub.add_parser("metering", help="run the metering service; `metering migrate`: the schema")
     sub.add_parser(
         "scaler",

@@ -13,7 +13,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysEr
 
 from tollgate.keys.records import Algorithm, AuditEvent, KeyRecord, KeyState, SigningKey
 from tollgate.keys.tokens import SigningKeySet, auth_dir, new_key, strip_prefix, write_secret
-from tollgate.wire.topology import Topology
+from tollgate.wire.topology import Role, Topology
 
 
 class KeyStore:
@@ -25,10 +25,13 @@ class KeyStore:
     re-apply, never overwrite) and goes to the audit stream.
     """
 
-    def __init__(self, js: Any, topology: Topology, actor: str = "tollgate") -> None:
+    def __init__(
+        self, js: Any, topology: Topology, actor: str = "tollgate", role: Role | None = None
+    ) -> None:
         self.js = js
         self.topology = topology
         self.actor = actor
+        self.role = role  # whose identity: a reader (the router) creates nothing
         self.keys: Any = None
         self.signing: Any = None
 
@@ -38,7 +41,8 @@ class KeyStore:
 
     async def open(self) -> KeyStore:
         topology = self.topology
-        await topology.ensure_stream(self.js, topology.audit)
+        if self.role is None or self.role in topology.audit.writers:
+            await topology.ensure_stream(self.js, topology.audit, self.role)
         self.keys = await topology.bucket(self.js, topology.keys)
         self.signing = await topology.bucket(self.js, topology.signing_keys)
         return self

@@ -20,7 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
+import ssl
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -28,7 +31,7 @@ from aiohttp import web
 
 from tollgate.runtime import tracing
 from tollgate.runtime.logs import setup_logging
-from tollgate.runtime.settings import CommonSettings
+from tollgate.runtime.settings import CommonSettings, SettingError
 
 Start = Callable[[CommonSettings], web.Application | Coroutine[Any, Any, None] | int]
 
@@ -47,11 +50,13 @@ def run_service(
     shutdown_timeout: float = 60.0,
     traced: bool = False,
     nice: int = 0,
+    tls: ssl.SSLContext | Callable[[], ssl.SSLContext | None] | None = None,
 ) -> int:
     """Load the common settings once, set up logging (and tracing), run, return the exit status.
 
     ``nice`` is CPU niceness added before running, for a background service
-    that should leave the CPU to request serving.
+    that should leave the CPU to request serving. ``tls`` serves HTTPS (a
+    context, or a function that builds one and may raise :class:`SettingError`).
     """
     common = CommonSettings()
     setup_logging(name, common.log_level)
@@ -74,12 +79,19 @@ def run_service(
                 target,
                 host=host,
                 port=port,
+                ssl_context=tls() if callable(tls) else tls,
                 access_log=None,
                 print=None,
                 shutdown_timeout=shutdown_timeout,
             )
         else:
             asyncio.run(target)
+    except SettingError as exc:
+        # A setting that cannot work (a refused identity, an unreadable key):
+        # restarting would not help, so say which one and stop.
+        logging.getLogger(f"tollgate.{name}").error("cannot start: %s", exc)
+        print(f"{name}: cannot start: {exc}", file=sys.stderr)
+        return 78  # EX_CONFIG
     finally:
         tracing.shutdown()
     return 0

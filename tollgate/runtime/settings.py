@@ -7,13 +7,22 @@ service's ``main()`` and passed down; nothing reads the environment later.
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from nats.aio.client import Client as NATS
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tollgate.wire import bus
+from tollgate.wire.permissions import inbox_prefix
 from tollgate.wire.subjects import PREFIX_PATTERN, Subjects
-from tollgate.wire.topology import Topology
+from tollgate.wire.topology import Role, Topology
+
+
+class SettingError(Exception):
+    """A setting that cannot work. The message names the setting, never a secret."""
 
 
 def _env(name: str, *standard: str) -> AliasChoices:
@@ -25,6 +34,20 @@ class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOLLGATE_", extra="ignore", populate_by_name=True)
 
     nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL(s).")
+    nats_nkey_file: Path | None = Field(
+        default=None,
+        description="This process's identity on the bus: a file holding its role's nkey seed.",
+    )
+    nats_tls_ca: Path | None = Field(
+        default=None,
+        description="CA certificate(s) the NATS server's certificate must chain to (turns on TLS).",
+    )
+    nats_tls_cert: Path | None = Field(
+        default=None, description="Client certificate, for a NATS server that requires mutual TLS."
+    )
+    nats_tls_key: Path | None = Field(
+        default=None, description="The client certificate's private key."
+    )
     subject_prefix: str = Field(
         default="tg",
         pattern=PREFIX_PATTERN.pattern,
@@ -96,6 +119,54 @@ class CommonSettings(BaseSettings):
     @property
     def topology(self) -> Topology:
         return Topology(self.subjects)
+
+    def bus_access(self, role: Role) -> bus.Access:
+        """This process's identity and TLS settings on the bus, read and checked now."""
+        seed = None
+        nkey_file = self.nats_nkey_file
+        if nkey_file is None:
+            # `tollgate up` keeps each role's seed here; the operator's tools find theirs.
+            kept = self.var_dir / "nats" / "identities" / f"{self.subject_prefix}-{role.value}.nk"
+            nkey_file = kept if kept.exists() else None
+        if nkey_file is not None:
+            try:
+                seed = nkey_file.read_text().strip()
+            except OSError as exc:
+                raise SettingError(
+                    f"TOLLGATE_NATS_NKEY_FILE: cannot read {nkey_file}: {exc.strerror}"
+                ) from None
+            if not (seed.startswith("SU") and len(seed) == 58):
+                raise SettingError(
+                    f"TOLLGATE_NATS_NKEY_FILE: {nkey_file} does not hold a user nkey seed"
+                )
+        tls = None
+        wants_tls = any(u.strip().startswith("tls://") for u in self.nats_url.split(","))
+        if self.nats_tls_ca is not None or wants_tls:
+            try:
+                tls = ssl.create_default_context(
+                    cafile=str(self.nats_tls_ca) if self.nats_tls_ca else None
+                )
+                if self.nats_tls_cert is not None:
+                    key = str(self.nats_tls_key) if self.nats_tls_key else None
+                    tls.load_cert_chain(str(self.nats_tls_cert), key)
+            except (OSError, ssl.SSLError) as exc:
+                raise SettingError(f"TOLLGATE_NATS_TLS_CA/_CERT/_KEY: cannot load: {exc}") from None
+        return bus.Access(seed, tls, inbox_prefix(self.topology, role))
+
+    async def connect(self, role: Role, name: str) -> NATS:
+        """Connect to the bus as ``role``; a refused identity is a :class:`SettingError`."""
+        access = self.bus_access(role)
+        try:
+            return await bus.connect(self.nats_url, name, access)
+        except bus.BusRefused:
+            where = ", ".join(
+                urlsplit(u.strip()).netloc.rpartition("@")[2] for u in self.nats_url.split(",")
+            )
+            given = "the key in it" if self.nats_nkey_file else "no key (it is not set)"
+            raise SettingError(
+                f"TOLLGATE_NATS_NKEY_FILE: NATS at {where} refused {given} for the "
+                f"{role.value} identity"
+            ) from None
 
     @property
     def model_cache_budget(self) -> int | None:

@@ -44,7 +44,13 @@ REGENERATE = "python -m tollgate.wire.asyncapi > docs/asyncapi.json"
 
 # What the wildcard token of a stream's subjects stands for, by the stream's
 # subject root (``tg.usage.*``: a tenant).
-_WILDCARD = {"usage": "tenant", "capture": "tenant", "replay": "model", "scale": "model"}
+_WILDCARD = {
+    "infer": "model",
+    "usage": "tenant",
+    "capture": "tenant",
+    "replay": "model",
+    "scale": "model",
+}
 _PARAMETER = {
     "tenant": "Tenant id, escaped as a subject token (tollgate.wire.subjects.model_token).",
     "model": "Model token of the canonical model id (tollgate.wire.subjects.model_token).",
@@ -229,7 +235,7 @@ class _Document:
     def build(self) -> dict[str, Any]:
         t = self.topology
         consumers = [t.workers(_MODEL), *t.consumers]
-        for spec in (t.infer(_MODEL), *t.streams):
+        for spec in t.streams:
             self.stream(spec, consumers)
         for bucket in t.buckets:
             self.bucket(bucket)

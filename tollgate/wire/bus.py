@@ -1,10 +1,12 @@
-"""NATS connection helper: reconnect forever, log state changes, drain on exit."""
+"""NATS connection helper: an identity, reconnect forever, log state changes, drain on exit."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import ssl
+from dataclasses import dataclass
 from typing import Any
 
 import nats
@@ -15,10 +17,46 @@ from nats.aio.msg import Msg
 log = logging.getLogger("tollgate.wire.bus")
 
 
-async def connect(url: str, name: str) -> NATS:
-    """Connect to NATS, retrying the first connect and every later disconnect."""
+class BusRefused(Exception):
+    """NATS refused the connection's identity: a missing, wrong or revoked nkey."""
+
+
+@dataclass(frozen=True)
+class Access:
+    """How one identity reaches the bus.
+
+    ``seed`` is the identity's nkey seed (it signs the server's nonce at each
+    connect and never leaves the process); ``tls`` verifies the server's
+    certificate (and shows the client's, for mutual TLS); ``inbox_prefix`` is
+    where replies to this identity's requests arrive, the one inbox namespace
+    its permissions let it read.
+    """
+
+    seed: str | None = None
+    tls: ssl.SSLContext | None = None
+    inbox_prefix: str = "_INBOX"
+
+    def __repr__(self) -> str:  # never show the seed
+        return f"Access(seed={'set' if self.seed else None}, tls={self.tls is not None})"
+
+
+def _refused(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in text
+
+
+async def connect(url: str, name: str, access: Access | None = None) -> NATS:
+    """Connect to NATS, retrying the first connect and every later disconnect.
+
+    Raises :class:`BusRefused` at once when the server rejects the identity:
+    retrying with the same key cannot succeed.
+    """
+    access = access or Access()
+    refused = asyncio.Event()
 
     async def on_error(exc: Exception) -> None:
+        if _refused(exc):
+            refused.set()
         log.warning("nats error: %s: %s", type(exc).__name__, exc)
 
     async def on_disconnected() -> None:
@@ -29,23 +67,49 @@ async def connect(url: str, name: str) -> NATS:
 
     delay = 0.2
     while True:
-        try:
-            return await nats.connect(
+        refused.clear()
+        nc = NATS()
+        connecting = asyncio.ensure_future(
+            nc.connect(
                 servers=url.split(","),
                 name=name,
                 max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
+                reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds; typed int, read as float
                 connect_timeout=2,
                 allow_reconnect=True,
                 error_cb=on_error,
                 disconnected_cb=on_disconnected,
                 reconnected_cb=on_reconnected,
+                nkeys_seed_str=access.seed,
+                tls=access.tls,
+                inbox_prefix=access.inbox_prefix,
             )
-        except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
-            # The first connect is retried too: services may start before NATS.
-            log.warning("nats not reachable yet: %s: %s", type(exc).__name__, exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+        )
+        # nats.py keeps retrying a refused first connect; the refusal reaches
+        # the error callback, and then this gives up instead.
+        watch = asyncio.ensure_future(refused.wait())
+        try:
+            await asyncio.wait({connecting, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not connecting.done():
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
+            with contextlib.suppress(Exception):
+                await nc.close()
+            raise BusRefused(f"NATS at {url} refused this identity")
+        exc = connecting.exception()
+        if exc is None:
+            return nc
+        if _refused(exc):
+            raise BusRefused(f"NATS at {url} refused this identity") from None
+        if not isinstance(exc, (OSError, nats.errors.NoServersError, TimeoutError)):
+            raise exc
+        # The first connect is retried too: services may start before NATS.
+        log.warning("nats not reachable yet: %s: %s", type(exc).__name__, exc)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
 
 
 async def close(nc: NATS) -> None:

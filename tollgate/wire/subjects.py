@@ -89,9 +89,14 @@ class Subjects:
         """Work-queue subject where inference requests for a model wait."""
         return f"{self.prefix}.infer.{model_token(model_id)}"
 
-    def infer_stream(self, model_id: str) -> str:
-        """JetStream stream that holds one model's inference requests."""
-        return f"{self.stream_prefix}_INFER_{model_token(model_id)}"
+    @property
+    def infer_all(self) -> str:
+        return f"{self.prefix}.infer.*"
+
+    @property
+    def infer_stream(self) -> str:
+        """The work-queue stream that holds every model's waiting requests (one subject each)."""
+        return f"{self.stream_prefix}_INFER"
 
     def infer_consumer(self, model_id: str) -> str:
         """The durable pull consumer that a model's workers share."""

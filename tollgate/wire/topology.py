@@ -16,7 +16,6 @@ each channel's contract.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -70,7 +69,13 @@ Contract = type[BaseModel] | str | None
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """A JetStream stream: who writes to its subjects and who reads it."""
+    """A JetStream stream: who writes to its subjects and who reads it.
+
+    ``readers`` read its messages through durable consumers; ``listeners``
+    subscribe to its subjects as messages are published (no replay);
+    ``observers`` may read the stream's state (message counts per subject)
+    and never a message.
+    """
 
     what: str
     name: str
@@ -78,6 +83,8 @@ class StreamSpec:
     storage: StorageType
     writers: frozenset[Role]
     readers: frozenset[Role]
+    listeners: frozenset[Role] = frozenset()
+    observers: frozenset[Role] = frozenset()
     retention: RetentionPolicy = RetentionPolicy.LIMITS
     max_age_s: float | None = None
     duplicate_window_s: float | None = None
@@ -168,8 +175,26 @@ class Topology:
             StorageType.FILE,
             writers=_roles(R.ROUTER),
             readers=_roles(R.METERING, R.AUTH),
+            listeners=_roles(R.SCALER),  # tokens per second, for its signals
             duplicate_window_s=DEDUPE_WINDOW_S,
             contract=c.UsageEvent,
+        )
+        # Requests live in memory: each belongs to an open client connection on
+        # a router, so there is nothing to recover from disk after a NATS
+        # restart. One stream for every model (one subject each), so that
+        # permissions on it do not depend on which models exist.
+        self.work = StreamSpec(
+            "requests waiting for a worker, one subject per model",
+            s.infer_stream,
+            (s.infer_all,),
+            StorageType.MEMORY,
+            writers=_roles(R.ROUTER),
+            readers=_roles(R.WORKER),
+            observers=_roles(R.SCALER),  # queue depth per model, never a request
+            retention=RetentionPolicy.WORK_QUEUE,
+            max_age_s=INFER_MAX_AGE_S,
+            duplicate_window_s=120.0,
+            contract=c.InferenceRequest,
         )
         self.dead_letter = StreamSpec(
             "usage messages metering could not read, with the reason",
@@ -342,31 +367,11 @@ class Topology:
 
     # -- per model ------------------------------------------------------------
 
-    def infer(self, model_id: str) -> StreamSpec:
-        """The work-queue stream of one model.
-
-        Requests live in memory: each belongs to an open client connection on
-        a router, so there is nothing to recover from disk after a NATS
-        restart. The duplicate window drops a request published twice.
-        """
-        return StreamSpec(
-            f"requests for `{model_id}` waiting for a worker",
-            self.subjects.infer_stream(model_id),
-            (self.subjects.infer(model_id),),
-            StorageType.MEMORY,
-            writers=_roles(R.ROUTER),
-            readers=_roles(R.WORKER, R.SCALER),
-            retention=RetentionPolicy.WORK_QUEUE,
-            max_age_s=INFER_MAX_AGE_S,
-            duplicate_window_s=120.0,
-            contract=c.InferenceRequest,
-        )
-
     def workers(self, model_id: str) -> ConsumerSpec:
         """The durable pull consumer that a model's workers share."""
         return ConsumerSpec(
             f"the workers of `{model_id}`",
-            self.subjects.infer_stream(model_id),
+            self.subjects.infer_stream,
             self.subjects.infer_consumer(model_id),
             self.subjects.infer(model_id),
             R.WORKER,
@@ -376,7 +381,15 @@ class Topology:
 
     @property
     def streams(self) -> tuple[StreamSpec, ...]:
-        return (self.usage, self.dead_letter, self.capture, self.replay, self.scale, self.audit)
+        return (
+            self.work,
+            self.usage,
+            self.dead_letter,
+            self.capture,
+            self.replay,
+            self.scale,
+            self.audit,
+        )
 
     @property
     def buckets(self) -> tuple[BucketSpec, ...]:
@@ -387,35 +400,49 @@ class Topology:
         return (self.metering_usage, self.auth_budget, self.metering_capture, self.metering_replay)
 
     def used_by(self, role: Role | None) -> tuple[list[StreamSpec], list[BucketSpec]]:
-        """The streams and buckets a role writes or reads (all of them for ``None``)."""
+        """The streams and buckets a role writes or reads (all of them for ``None``).
+
+        A role that only listens to or observes a stream does not create it.
+        """
         streams = [s for s in self.streams if role is None or role in s.writers | s.readers]
         buckets = [b for b in self.buckets if role is None or role in b.writers | b.readers]
         return streams, buckets
 
     # -- creating it ----------------------------------------------------------
 
-    async def ensure(
-        self, js: JetStreamContext, role: Role | None = None, models: Iterable[str] = ()
-    ) -> None:
-        """Create, or update to the declared shape, what ``role`` uses (everything: None).
+    async def ensure(self, js: JetStreamContext, role: Role | None = None) -> None:
+        """Create what ``role`` uses (everything: None), and update what it writes.
 
         Idempotent: every service calls it at start for its own part.
         """
         streams, buckets = self.used_by(role)
         for spec in streams:
-            await self.ensure_stream(js, spec)
+            await self.ensure_stream(js, spec, role)
         for bucket in buckets:
             await self.bucket(js, bucket)
-        for model_id in models:
-            await self.ensure_stream(js, self.infer(model_id))
 
-    async def ensure_stream(self, js: JetStreamContext, spec: StreamSpec) -> None:
+    async def ensure_stream(
+        self, js: JetStreamContext, spec: StreamSpec, role: Role | None = None
+    ) -> None:
+        """Create the stream; bring it to the declared shape if ``role`` writes it.
+
+        A stream's readers may create it when it is missing (with the declared
+        shape, so creating changes nothing for anyone), but only its writers
+        and the operator (``role`` None) may update one that exists: that is
+        what their NATS permissions allow (:mod:`tollgate.wire.permissions`).
+        """
         config = spec.config(self.replicas)
         try:
             await js.add_stream(config)
         except BadRequestError as exc:
             if exc.err_code != _STREAM_NAME_EXISTS:
                 raise  # an invalid or overlapping config: updating would only hide why
+            if role is not None and role not in spec.writers:
+                log.warning(
+                    "stream %s exists with another shape; its writers bring it up to date",
+                    spec.name,
+                )
+                return
             await js.update_stream(config)  # it exists with another shape: bring it to this one
 
     async def bucket(self, js: JetStreamContext, spec: BucketSpec) -> Any:
@@ -433,16 +460,20 @@ def describe(topology: Topology) -> str:
         return ", ".join(sorted(r.value for r in roles))
 
     model = "<model>"
-    infer = topology.infer(model)
     rows = [
         "| kind | name | subjects | writers | readers | what |",
         "|---|---|---|---|---|---|",
     ]
-    for spec in (infer, *topology.streams):
+    for spec in topology.streams:
         kind = "stream (work queue)" if spec.retention is RetentionPolicy.WORK_QUEUE else "stream"
+        readers = who(spec.readers)
+        if spec.listeners:
+            readers += f"; live: {who(spec.listeners)}"
+        if spec.observers:
+            readers += f"; counts only: {who(spec.observers)}"
         rows.append(
             f"| {kind}, {spec.storage.value} | `{spec.name}` | `{', '.join(spec.subjects)}` "
-            f"| {who(spec.writers)} | {who(spec.readers)} | {spec.what} |"
+            f"| {who(spec.writers)} | {readers} | {spec.what} |"
         )
     for bucket in topology.buckets:
         rows.append(

@@ -1,0 +1,168 @@
+"""What each identity may publish and subscribe to, derived from the topology.
+
+Every service connects to NATS as its role (:class:`~tollgate.wire.topology.Role`)
+and the server allows it exactly the subjects below, nothing else. They are
+computed from the same table that creates the streams
+(:class:`~tollgate.wire.topology.Topology`), so adding a stream, a consumer or a
+subject there changes who may touch it here.
+
+The rules, per entry of the topology:
+
+- a stream's **writers** publish to its subjects; everyone who uses it
+  (writers and readers) may create it with the declared shape (``ensure``)
+  and read its info; only writers may update it;
+- a stream's **readers** get their own durable consumers on it: create,
+  info, fetch and acknowledge, by consumer name;
+- a stream's **listeners** subscribe to its subjects as they are published,
+  and its **observers** read its info (message counts per subject) only;
+- a key-value bucket's readers get, watch and list it; its writers also put;
+- a core subject's publishers publish and its subscribers subscribe; the
+  responders of a request/reply subject may answer only into the inboxes of
+  the roles that may ask.
+
+Each role's replies come to its own inbox prefix (:func:`inbox_prefix`), and
+only that role may subscribe there, so no identity reads another's replies
+(key records, pub acks, query results). Deleting or purging streams and
+consumers, and everything else, is the operator's (``admin``) alone.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tollgate.wire.topology import BucketSpec, ConsumerSpec, Role, StreamSpec, Topology
+
+API = "$JS.API"
+_PLACEHOLDER = re.compile(r"<[a-z_]+>")
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The subjects one identity may publish to and subscribe to (NATS wildcards)."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+    def allows(self, action: str, subject: str) -> bool:
+        """Whether NATS would let this identity ``publish`` or ``subscribe`` to ``subject``."""
+        patterns = self.publish if action == "publish" else self.subscribe
+        return any(subject_matches(pattern, subject) for pattern in patterns)
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard matching: ``*`` is one token, a final ``>`` one or more."""
+    want, got = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(got) > i
+        if i >= len(got) or (token != "*" and token != got[i]):
+            return False
+    return len(want) == len(got)
+
+
+def inbox_prefix(topology: Topology, role: Role) -> str:
+    """Where replies to this role's requests arrive (``_INBOX.tg.router``)."""
+    return f"_INBOX.{topology.subjects.prefix}.{role.value}"
+
+
+def _wild(pattern: str) -> str:
+    """A topology pattern (``tg.reply.<router>.<request>``) as a NATS wildcard."""
+    return _PLACEHOLDER.sub("*", pattern)
+
+
+class _Rules:
+    def __init__(self) -> None:
+        self.publish: list[str] = []
+        self.subscribe: list[str] = []
+
+    def pub(self, *subjects: str) -> None:
+        self.publish.extend(s for s in subjects if s not in self.publish)
+
+    def sub(self, *subjects: str) -> None:
+        self.subscribe.extend(s for s in subjects if s not in self.subscribe)
+
+    def stream(self, spec: StreamSpec, role: Role) -> None:
+        uses = role in spec.writers | spec.readers
+        if uses or role in spec.observers:
+            self.pub(f"{API}.STREAM.INFO.{spec.name}")
+        if uses:
+            self.pub(f"{API}.STREAM.CREATE.{spec.name}")
+        if role in spec.writers:
+            self.pub(f"{API}.STREAM.UPDATE.{spec.name}", *spec.subjects)
+        if role in spec.listeners:
+            self.sub(*spec.subjects)
+
+    def consumer(self, spec: ConsumerSpec, durable: str) -> None:
+        stream = spec.stream
+        self.pub(
+            f"{API}.CONSUMER.CREATE.{stream}.{durable}",
+            f"{API}.CONSUMER.CREATE.{stream}.{durable}.>",
+            f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
+            f"{API}.CONSUMER.INFO.{stream}.{durable}",
+            f"{API}.CONSUMER.MSG.NEXT.{stream}.{durable}",
+            f"$JS.ACK.{stream}.{durable}.>",
+        )
+
+    def bucket(self, spec: BucketSpec, role: Role) -> None:
+        if role not in spec.readers | spec.writers:
+            return
+        stream = f"KV_{spec.name}"
+        self.pub(
+            f"{API}.STREAM.INFO.{stream}",
+            f"{API}.STREAM.CREATE.{stream}",
+            f"{API}.DIRECT.GET.{stream}",
+            f"{API}.DIRECT.GET.{stream}.>",
+            f"{API}.STREAM.MSG.GET.{stream}",
+            # watching (and listing keys) runs an ordered consumer of its own
+            f"{API}.CONSUMER.CREATE.{stream}",
+            f"{API}.CONSUMER.CREATE.{stream}.>",
+            f"{API}.CONSUMER.INFO.{stream}.*",
+            f"{API}.CONSUMER.DELETE.{stream}.*",
+            f"$JS.FC.{stream}.>",
+        )
+        if role in spec.writers:
+            self.pub(f"$KV.{spec.name}.>")
+
+
+def grant(topology: Topology, role: Role) -> Grant:
+    """Everything ``role`` may publish and subscribe to on this prefix's bus."""
+    if role is Role.ADMIN:
+        return Grant(publish=(">",), subscribe=(">",))
+    rules = _Rules()
+    rules.sub(f"{inbox_prefix(topology, role)}.>")
+    for stream in topology.streams:
+        rules.stream(stream, role)
+    for consumer in topology.consumers:
+        if consumer.reader is role:
+            rules.consumer(consumer, consumer.durable)
+    if role is Role.WORKER:
+        # one durable consumer per model on the shared work queue
+        rules.consumer(topology.workers("<model>"), "*")
+    for bucket in topology.buckets:
+        rules.bucket(bucket, role)
+    for subject in topology.core:
+        pattern = _wild(subject.pattern)
+        if role in subject.publishers:
+            rules.pub(pattern)
+        if role in subject.subscribers:
+            rules.sub(pattern)
+            if subject.request_reply:
+                asking = sorted(subject.publishers, key=lambda r: r.value)
+                rules.pub(*(f"{inbox_prefix(topology, r)}.>" for r in asking))
+    return Grant(publish=tuple(rules.publish), subscribe=tuple(rules.subscribe))
+
+
+def grants(topology: Topology) -> dict[Role, Grant]:
+    """Every role's grant on this prefix's bus."""
+    return {role: grant(topology, role) for role in Role}
+
+
+def describe(topology: Topology) -> str:
+    """The permission table as Markdown (kept in ``docs/deploy.md``)."""
+    rows = ["| role | may publish to | may subscribe to |", "|---|---|---|"]
+    for role, g in grants(topology).items():
+        pub = "<br>".join(f"`{s}`" for s in g.publish)
+        sub = "<br>".join(f"`{s}`" for s in g.subscribe)
+        rows.append(f"| {role.value} | {pub} | {sub} |")
+    return "\n".join(rows) + "\n"
