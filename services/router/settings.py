@@ -12,6 +12,11 @@ class RouterSettings(BaseSettings):
 
     host: str = Field(default="127.0.0.1", description="Listen address.")
     port: int = Field(default=8080, description="Listen port.")
+    tls_cert: Path | None = Field(
+        default=None,
+        description="Serve HTTPS with this certificate chain (PEM); plain HTTP when unset.",
+    )
+    tls_key: Path | None = Field(default=None, description="The HTTPS certificate's private key.")
     router_id: str = Field(
         default_factory=lambda: uuid.uuid4().hex[:12], description="Unique id of this replica."
     )

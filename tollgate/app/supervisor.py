@@ -1,6 +1,11 @@
 """``tollgate up``: the whole stack on one machine, as supervised child processes.
 
-It starts ``nats-server`` (JetStream, data under ``var/``), the router, auth,
+It starts ``nats-server`` (JetStream, data under ``var/``) with a closed bus:
+each service gets its own identity (an nkey seed under ``var/nats/identities``,
+made on first start) and the server admits only those, each with its role's
+permissions (``var/nats/auth.conf``, written at every start). NATS listens on
+the loopback interface only, so the bus needs no TLS here. Everything under
+``var/`` is private to the user that runs it (umask 077). Then the router, auth,
 metering and the scaler, which starts and stops the workers (the models named
 on the command line are kept warm, the others start on their first request);
 restarts a child that crashes; and on Ctrl-C stops them in order (router,
@@ -24,14 +29,17 @@ from pathlib import Path
 from typing import IO
 
 import aiohttp
+from nats.aio.client import Client as NATS
 from pydantic import ValidationError
 
 from services.auth.settings import AuthSettings
+from tollgate.app.busauth import Identities, private_dir, server_config, write_private
 from tollgate.keys.store import bootstrap
 from tollgate.keys.tokens import SigningKeySet
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus, codec
 from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
+from tollgate.wire.topology import Role
 
 
 class AlreadyRunning(Exception):
@@ -121,7 +129,10 @@ class Stack:
     # -- single instance ---------------------------------------------------
 
     def acquire(self) -> None:
-        self.var.mkdir(parents=True, exist_ok=True)
+        # Keys, seeds, usage data, the outbox and logs: nothing under var/ is
+        # for other users of this machine. Children inherit the umask.
+        os.umask(0o077)
+        private_dir(self.var)
         lock = open(self.var / "up.lock", "a+")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -147,8 +158,23 @@ class Stack:
 
     # -- children ----------------------------------------------------------
 
-    def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
+    @property
+    def identities(self) -> Identities:
+        return Identities(self.var / "nats" / "identities", self.common.subject_prefix)
+
+    def _bus_config(self) -> Path:
+        """Every role's identity (made once) and the server's authorization (every start)."""
+        ids = self.identities.ensure()
+        path = self.var / "nats" / "auth.conf"
+        write_private(path, server_config([ids]))
+        return path
+
+    def _env(self, role: Role | None = None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLGATE_NATS_")}
+        if role is not None:
+            env["TOLLGATE_NATS_NKEY_FILE"] = str(self.identities.seed_file(role))
+        if role is Role.SCALER:  # the workers it starts have their own identity
+            env["TOLLGATE_SCALER_WORKER_NKEY_FILE"] = str(self.identities.seed_file(Role.WORKER))
         env.update(
             {
                 "TOLLGATE_NATS_URL": f"nats://127.0.0.1:{self.nats_port}",
@@ -166,13 +192,14 @@ class Stack:
         return env
 
     def plan(self) -> None:
-        env = self._env()
         logs = self.var / "logs"
         self.children = [
             Child(
                 "nats",
                 [
                     nats_server_binary(),
+                    "-c",
+                    str(self._bus_config()),
                     "-js",
                     "-sd",
                     str(self.var / "nats"),
@@ -181,16 +208,15 @@ class Stack:
                     "-p",
                     str(self.nats_port),
                 ],
-                env,
+                self._env(),
                 logs / "nats.log",
             ),
-            Child("router", [sys.executable, "-m", "services.router"], env, logs / "router.log"),
-            Child("auth", [sys.executable, "-m", "services.auth"], env, logs / "auth.log"),
-            Child(
-                "metering", [sys.executable, "-m", "services.metering"], env, logs / "metering.log"
+            *(
+                Child(role.value, [sys.executable, "-m", f"services.{role.value}"], env, log)
+                for role in (Role.ROUTER, Role.AUTH, Role.METERING, Role.SCALER)
+                # The scaler starts the workers (their logs: logs/worker-*.log).
+                for env, log in [(self._env(role), logs / f"{role.value}.log")]
             ),
-            # The scaler starts the workers (their logs: logs/worker-*.log).
-            Child("scaler", [sys.executable, "-m", "services.scaler"], env, logs / "scaler.log"),
         ]
 
     async def run(self, out: IO[str]) -> int:
@@ -250,7 +276,7 @@ class Stack:
             alg = AuthSettings().algorithm
         except ValidationError as exc:
             raise SystemExit(f"TOLLGATE_AUTH_ALGORITHM: {exc.errors()[0]['msg']}") from None
-        nc = await bus.connect(f"nats://127.0.0.1:{self.nats_port}", name="tollgate-up")
+        nc = await self._connect()
         try:
             token = await bootstrap(nc.jetstream(), self.common.topology, self.var, alg)
         finally:
@@ -259,8 +285,19 @@ class Stack:
         secrets = SigningKeySet(self.var / "auth" / "signing-keys.json").hs256_secrets()
         if secrets:
             for child in self.children:
-                child.env["TOLLGATE_ROUTER_HS256_SECRETS"] = json.dumps(secrets)
+                if child.name == Role.ROUTER.value:
+                    child.env["TOLLGATE_ROUTER_HS256_SECRETS"] = json.dumps(secrets)
         return token
+
+    async def _connect(self) -> NATS:
+        """The supervisor's own connection: the operator's identity."""
+        common = self.common.model_copy(
+            update={
+                "nats_url": f"nats://127.0.0.1:{self.nats_port}",
+                "nats_nkey_file": self.identities.seed_file(Role.ADMIN),
+            }
+        )
+        return await common.connect(Role.ADMIN, "tollgate-up")
 
     async def _restart(self, child: Child, out: IO[str]) -> None:
         code = child.proc.returncode if child.proc else None
@@ -284,7 +321,7 @@ class Stack:
                             break
                 await asyncio.sleep(0.3)
         print(f"\nTollgate is up. OpenAI base URL: {self.base_url}", file=out, flush=True)
-        nc = await bus.connect(f"nats://127.0.0.1:{self.nats_port}", name="tollgate-up")
+        nc = await self._connect()
         pending = set(self.models)
         done = asyncio.Event()
 
