@@ -311,7 +311,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer requests per point")
     parser.add_argument(
-        "--only", choices=["inference", "gateway", "metering", "scaler", "registry", "control"]
+        "--only",
+        choices=["inference", "gateway", "bus", "metering", "scaler", "registry", "control"],
     )
     parser.add_argument(
         "--baseline",
@@ -342,6 +343,10 @@ def main() -> None:
                 **bench_gateway(work, env, ns.quick, ns.baseline, ns.rounds),
                 "date": results["date"],
             }
+        if ns.only in (None, "bus"):
+            from bench.bus import bench_bus
+
+            results["bus"] = {**bench_bus(work, env, ns.quick, ns.rounds), "date": results["date"]}
         if ns.only in (None, "metering"):
             from bench.metering import bench_ingest, bench_router_overhead
 

@@ -90,11 +90,11 @@ def start_nats(procs: Procs) -> str:
     raise TimeoutError("nats-server did not start")
 
 
-def api_key(nats_url: str, workdir: Path) -> dict[str, str]:
+def api_key(nats_url: str, workdir: Path, access: bus.Access | None = None) -> dict[str, str]:
     """Signing key and a key as `tollgate up` makes them; the header to send."""
 
     async def make() -> str:
-        nc = await bus.connect(nats_url, "bench-keys")
+        nc = await bus.connect(nats_url, "bench-keys", access)
         try:
             return await bootstrap(nc.jetstream(), Topology(Subjects()), workdir)
         finally:
@@ -134,19 +134,29 @@ def start_router(procs: Procs, nats_url: str, tree: Path | None = None, **env: s
     return base
 
 
-def start_worker(procs: Procs, nats_url: str, model: str, tree: Path | None = None) -> None:
+def start_worker(
+    procs: Procs,
+    nats_url: str,
+    model: str,
+    tree: Path | None = None,
+    access: bus.Access | None = None,
+    **env: str,
+) -> None:
     procs.env["TOLLGATE_NATS_URL"] = nats_url
     procs.spawn(
         f"worker-{model.replace('/', '_')}-{free_port()}",
         [sys.executable, "-m", "services.worker", "--model", model],
         cwd=tree,
         **code_env(tree),
+        **env,
     )
-    asyncio.run(_wait_worker(nats_url, model))
+    asyncio.run(_wait_worker(nats_url, model, access=access))
 
 
-async def _wait_worker(nats_url: str, model: str, timeout: float = 900) -> None:
-    nc = await bus.connect(nats_url, "bench")
+async def _wait_worker(
+    nats_url: str, model: str, timeout: float = 900, access: bus.Access | None = None
+) -> None:
+    nc = await bus.connect(nats_url, "bench", access)
     ready = asyncio.Event()
 
     async def on_beat(msg: object) -> None:

@@ -95,6 +95,47 @@ def _gateway(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _bus(r: dict[str, Any]) -> list[str]:
+    o, c = r["open_bus"], r["closed_bus"]
+    lines = [
+        "## Bus security: the gateway hop with and without authentication and TLS on NATS",
+        "",
+        f"Measured {r.get('date', '')}.",
+        "",
+        "Two stacks side by side, each with its own nats-server, router (API keys on) and "
+        "simulated-engine worker (a test double): one on an open bus (plain TCP, no "
+        "identities), one on the closed bus as deployed (every service on its own nkey, "
+        "permissions derived from the topology, TLS with a certificate the services verify). "
+        f"Non-streaming chat completions, {r.get('rounds', 3)} alternating rounds "
+        "(`python -m bench --only bus --rounds N`).",
+        "",
+        "| metric | open bus | closed bus (nkeys + TLS) | closed / open |",
+        "|---|---|---|---|",
+    ]
+    for label, key in (
+        ("latency p50 at concurrency 1 (ms)", "latency_p50_ms"),
+        ("latency p99 at concurrency 1 (ms)", "latency_p99_ms"),
+        ("requests/s at concurrency 1", "requests_per_s"),
+    ):
+        a, b = o["c1"][key], c["c1"][key]
+        lines.append(f"| {label} | {a:.2f} | {b:.2f} | {_ratio(b, a)} |")
+    peak_o = max(lv["requests_per_s"] for lv in o["levels"])
+    peak_c = max(lv["requests_per_s"] for lv in c["levels"])
+    lines.append(f"| peak requests/s | {peak_o:.0f} | {peak_c:.0f} | {_ratio(peak_c, peak_o)} |")
+    lines += [
+        "",
+        "| concurrency | open req/s | open p99 (ms) | closed req/s | closed p99 (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for ol, cl in zip(o["levels"], c["levels"], strict=True):
+        lines.append(
+            f"| {ol['concurrency']} | {ol['requests_per_s']:.0f} | {ol['latency_p99_ms']:.1f} | "
+            f"{cl['requests_per_s']:.0f} | {cl['latency_p99_ms']:.1f} |"
+        )
+    lines.append("")
+    return lines
+
+
 def _baseline(r: dict[str, Any]) -> list[str]:
     if "baseline" not in r:
         return []
@@ -366,9 +407,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         "# Benchmarks",
         "",
         "Every figure below comes from `make bench` (`python -m bench`; `--only gateway`,",
-        "`--only inference`, `--only metering`, `--only scaler`, `--only registry` or",
-        "`--only control` reruns one part), with each",
-        "system and its",
+        "`--only bus`, `--only inference`, `--only metering`, `--only scaler`,",
+        "`--only registry` or `--only control` reruns one part), with each system and its",
         "baseline measured side by side in the same run. Performance is never asserted in the",
         "test suite; it is measured here.",
         "",
@@ -391,6 +431,7 @@ def write_report(results: dict[str, Any], path: Path) -> None:
 _PARTS = {
     "inference": _inference,
     "gateway": _gateway,
+    "bus": _bus,
     "metering": _metering,
     "scaler": _scaler,
     "registry": _registry,
@@ -399,6 +440,7 @@ _PARTS = {
 _PART_TITLES = {
     "inference": ("Inference",),
     "gateway": ("Gateway", "Auth"),
+    "bus": ("Bus security",),
     "metering": ("Metering",),
     "scaler": ("Scaler",),
     "registry": ("Model registry",),

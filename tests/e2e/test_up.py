@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import SIM_MODEL, free_port
+from tollgate.wire.topology import Role
 
 
 def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
@@ -64,6 +66,19 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
         assert key_file.read_text().strip() == demo_key
         assert key_file.stat().st_mode & 0o777 == 0o600
         assert (tmp_path / "var" / "auth" / "admin-token").stat().st_mode & 0o777 == 0o600
+
+        # The bus is closed: NATS asks every client for an identity, and each
+        # role's seed is private like everything else under var/.
+        with socket.create_connection(("127.0.0.1", nats_port), timeout=5) as sock:
+            greeting = sock.recv(4096).decode()
+        assert json.loads(greeting[5:])["auth_required"] is True
+        var = tmp_path / "var"
+        assert var.stat().st_mode & 0o777 == 0o700
+        seeds = sorted((var / "nats" / "identities").iterdir())
+        assert [s.name for s in seeds] == sorted(f"tg-{r.value}.nk" for r in Role)
+        for path in var.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                assert path.stat().st_mode & 0o077 == 0, path
 
         unauthenticated = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
         assert unauthenticated.status_code == 401

@@ -374,3 +374,16 @@ def test_subject_matching_follows_nats() -> None:
     assert subject_matches("tg.>", "tg.usage.acme")
     assert not subject_matches("tg.>", "tg")
     assert not subject_matches("tg.usage.*", "tg.usage")
+
+
+def test_the_documented_permission_table_is_the_generated_one() -> None:
+    from tollgate.wire.permissions import describe
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    documented = text.split("<!-- permissions:begin -->\n", 1)[1].split("<!-- permissions:end -->")[
+        0
+    ]
+    assert documented == describe(T), (
+        "docs/deploy.md is out of date: put the output of `tollgate bus permissions` "
+        "between its permissions markers"
+    )
