@@ -6,6 +6,7 @@ import asyncio
 
 import httpx
 import openai
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import OBSERVED_MODEL, Stack, free_port, wait_ready
@@ -64,8 +65,39 @@ async def test_worker_metrics_count_what_it_served(
     assert sum(parts.values()) <= total + 0.01, "the parts fit in the whole time-to-ready"
     assert got[("tollgate_worker_state", (*m, ("state", "ready")))] == 1
     assert got[("tollgate_worker_state", (*m, ("state", "draining")))] == 0
-    # GET /drain (what a Kubernetes preStop hook sends): answered once drained; then it exits
+    # GET /drain from this machine (loopback): answered once drained; then it exits
     async with httpx.AsyncClient(timeout=60) as http:
         drained = await http.get(f"{base}/drain")
     assert drained.status_code == 200 and drained.json()["state"] in ("draining", "stopped")
     assert await asyncio.to_thread(worker.proc.wait, 30) == 0
+
+
+async def test_drain_answers_only_on_the_loopback_interface() -> None:
+    """A scraper elsewhere reaches the port for metrics; it cannot take the worker out."""
+    from unittest import mock
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from services.worker.metrics import WorkerMetrics, create_http_app
+    from tollgate.wire.contracts import WorkerState
+
+    drained: list[bool] = []
+
+    async def drain() -> None:
+        drained.append(True)
+
+    app = create_http_app(WorkerMetrics(), lambda: WorkerState.READY, drain)
+    handler = next(r for r in app.router.routes() if r.resource.canonical == "/drain").handler
+
+    def from_peer(address: str) -> web.Request:
+        transport = mock.Mock()
+        transport.get_extra_info.side_effect = lambda name, default=None: (
+            (address, 40000) if name == "peername" else default
+        )
+        return make_mocked_request("GET", "/drain", app=app, transport=transport)
+
+    refused = await handler(from_peer("10.1.2.3"))
+    assert refused.status == 403 and not drained
+    for local in ("127.0.0.1", "::1"):
+        assert (await handler(from_peer(local))).status == 200
+    assert drained == [True, True]
