@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -24,7 +25,7 @@ from tollgate.wire.contracts import (
     ResponseChunk,
     Usage,
 )
-from tollgate.wire.topology import Role, Topology
+from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.dispatch")
 
@@ -69,9 +70,15 @@ class Dispatcher:
         self.subjects = topology.subjects
         self.router_id = router_id
         self._calls: dict[str, Call] = {}
+        self.model_ids: list[str] = []
 
-    async def start(self) -> None:
-        await self.topology.ensure_stream(self.js, self.topology.work, Role.ROUTER)
+    async def start(self, model_ids: Iterable[str]) -> None:
+        """Create the work queue and each model's worker consumer, then take chunks.
+
+        Routers create both (workers only bind: they create nothing on the bus).
+        """
+        self.model_ids = list(model_ids)
+        await self.topology.ensure_workers(self.js, self.model_ids)
         await self.nc.subscribe(
             f"{self.subjects.reply_prefix(self.router_id)}.*", cb=self._on_chunk
         )
@@ -105,8 +112,9 @@ class Dispatcher:
             try:
                 await self.js.publish(subject, data, headers=headers, timeout=5)
             except NoStreamResponseError:
-                # The in-memory stream is gone (NATS restarted): recreate it once.
-                await self.topology.ensure_stream(self.js, self.topology.work, Role.ROUTER)
+                # The in-memory stream is gone (NATS restarted): recreate it, and
+                # the consumers every model's workers wait to bind to, once.
+                await self.topology.ensure_workers(self.js, self.model_ids)
                 await self.js.publish(subject, data, headers=headers, timeout=5)
         except BaseException:
             self._calls.pop(request.request_id, None)

@@ -44,12 +44,16 @@ from tollgate.wire.contracts import (
 )
 from tollgate.wire.errors import error_json
 from tollgate.wire.subjects import Subjects
-from tollgate.wire.topology import Role, Topology
+from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.worker")
 
 # How many cancelled-before-start request ids a worker remembers.
 _CANCELLED_KEPT = 10_000
+
+
+class _Stopped(Exception):
+    """The worker was told to stop while it waited for its work queue."""
 
 
 class _Reply:
@@ -120,7 +124,6 @@ class WorkerConsumer:
     async def start(self) -> None:
         """Subscribe to cancels and start the pull loop: the worker is ready."""
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel)
-        await self.topology.ensure_stream(self.js, self.topology.work, Role.WORKER)
         self.state = WorkerState.READY
         await self._send_heartbeat()
         self._tasks.append(asyncio.create_task(self._pull_loop(), name="pull"))
@@ -222,12 +225,30 @@ class WorkerConsumer:
     # -- the pull loop -----------------------------------------------------
 
     async def _subscribe(self) -> Any:
+        """Bind to the model's consumer, waiting until a router has created it.
+
+        Workers create nothing on the bus (``Topology.work``): routers make the
+        work queue and one consumer per catalog model when they start, and again
+        when a NATS restart has lost them (the queue lives in memory).
+        """
         consumer = self.topology.workers(self.model_id)
-        config = consumer.config(ack_wait=self.settings.ack_wait_s, max_ack_pending=-1)
-        await self.topology.ensure_stream(self.js, self.topology.work, Role.WORKER)
-        return await self.js.pull_subscribe(
-            consumer.filter_subject, durable=consumer.durable, stream=consumer.stream, config=config
-        )
+        waiting_since = time.monotonic()
+        while True:
+            try:
+                await self.js.consumer_info(consumer.stream, consumer.durable)
+                break
+            except NotFoundError:
+                if time.monotonic() - waiting_since > 30:
+                    log.warning("no work queue for this model yet: waiting for a router")
+                    waiting_since = time.monotonic()
+            except Exception as exc:  # NATS reconnecting
+                log.warning("consumer check failed: %s: %s", type(exc).__name__, exc)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), self.settings.queue_check_s / 3)
+                raise _Stopped
+            except TimeoutError:
+                pass
+        return await self.js.pull_subscribe_bind(consumer.durable, stream=consumer.stream)
 
     async def _consumer_gone(self) -> bool:
         """True when the work queue or its consumer no longer exists.
@@ -247,7 +268,10 @@ class WorkerConsumer:
         return False
 
     async def _pull_loop(self) -> None:
-        sub = await self._subscribe()
+        try:
+            sub = await self._subscribe()
+        except _Stopped:
+            return
         idle_since = time.monotonic()
         while not self._stopping.is_set():
             if len(self.inflight) >= self.engine.slots_total:
@@ -263,6 +287,8 @@ class WorkerConsumer:
                         await sub.unsubscribe()
                     try:
                         sub = await self._subscribe()
+                    except _Stopped:
+                        break
                     except Exception as exc:
                         log.warning("subscribe failed: %s: %s", type(exc).__name__, exc)
                     continue

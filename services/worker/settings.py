@@ -24,9 +24,6 @@ class WorkerSettings(BaseSettings):
     queue_check_s: float = Field(
         default=3.0, gt=0, description="After this long without work, check the queue still exists."
     )
-    ack_wait_s: float = Field(
-        default=30.0, gt=0, description="Redelivery delay for a request fetched but not started."
-    )
     host: str = Field(default="127.0.0.1", description="Health and metrics listen address.")
     port: int | None = Field(
         default=None, description="Serve /healthz, /readyz and /metrics on this port (off: unset)."

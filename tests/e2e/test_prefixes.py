@@ -17,7 +17,7 @@ from tests.conftest import CATALOG, SIM_MODEL, NatsServer, Stack, wait_ready
 from tests.lib.streams import read_subject
 from tollgate.keys.store import bootstrap
 from tollgate.wire.subjects import Subjects
-from tollgate.wire.topology import Topology
+from tollgate.wire.topology import Role, Topology
 
 BODY = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 
@@ -37,8 +37,11 @@ def _stack(nats: NatsServer, root: Path, prefix: str, models: Path) -> Stack:
     stack = Stack(nats, var)
     original = stack.env
 
-    def env(**extra: str) -> dict[str, str]:
-        return original(TOLLGATE_SUBJECT_PREFIX=prefix, TOLLGATE_MODEL_CACHE=str(models), **extra)
+    def env(role: Role = Role.ADMIN, **extra: str) -> dict[str, str]:
+        # each stack's services on their own prefix's identities
+        return original(
+            role, TOLLGATE_SUBJECT_PREFIX=prefix, TOLLGATE_MODEL_CACHE=str(models), **extra
+        )
 
     stack.env = env  # type: ignore[method-assign]
     return stack

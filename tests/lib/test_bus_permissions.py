@@ -225,16 +225,31 @@ async def test_worker_serves_work_but_never_bills_or_reads_keys(
 
 async def test_worker_pulls_from_the_work_queue(server: NatsServer, admin: NATS) -> None:
     async with Probe(server, Role.ROUTER) as router:
+        await T.ensure_workers(router.js, ["m"])  # the router makes the model's consumer
         ack = await router.js.publish(S.infer("m"), b'{"request": 1}')
         assert ack.stream == S.infer_stream
     async with Probe(server, Role.WORKER) as worker:
         consumer = T.workers("m")
-        sub = await worker.js.pull_subscribe(
-            consumer.filter_subject, durable=consumer.durable, stream=consumer.stream
-        )
+        sub = await worker.js.pull_subscribe_bind(consumer.durable, stream=consumer.stream)
         [msg] = await sub.fetch(1, timeout=5)
         assert msg.data == b'{"request": 1}'
         await msg.ack_sync()
+
+
+async def test_worker_creates_nothing_on_the_bus(server: NatsServer, admin: NATS) -> None:
+    """A consumer's creator picks where the server delivers its messages: not a worker."""
+    async with Probe(server, Role.WORKER) as worker:
+        for subject in (
+            f"$JS.API.CONSUMER.CREATE.{S.infer_stream}",
+            f"$JS.API.CONSUMER.CREATE.{S.infer_stream}.spy.{S.infer('m')}",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{S.infer_stream}.spy",
+            f"$JS.API.STREAM.CREATE.{S.infer_stream}",
+            f"$JS.API.STREAM.UPDATE.{S.infer_stream}",
+        ):
+            body = b'{"config": {"deliver_subject": "tg.usage.acme"}}'
+            assert await worker.publish_refused(subject, body), subject
+    usage = await admin.jetstream().stream_info(S.usage_stream)
+    assert usage.state.messages == 0
 
 
 async def test_scaler_counts_queued_requests_but_reads_none(

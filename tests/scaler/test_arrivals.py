@@ -39,7 +39,7 @@ async def test_arrivals_wake_the_scaler_without_request_bodies(nats_server: Nats
         await signals.start()
         await scaler_nc.flush()
         dispatcher = Dispatcher(router_nc, Topology(SUBJECTS), "r1")
-        await dispatcher.start()
+        await dispatcher.start([MODEL])
         before = scaler_nc.stats["in_bytes"]
         for i in range(3):
             await dispatcher.submit(request(i, dispatcher.reply_subject(f"req-{i}")))

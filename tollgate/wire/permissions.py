@@ -8,11 +8,16 @@ subject there changes who may touch it here.
 
 The rules, per entry of the topology:
 
-- a stream's **writers** publish to its subjects; everyone who uses it
-  (writers and readers) may create it with the declared shape (``ensure``)
-  and read its info; only writers may update it;
-- a stream's **readers** get their own durable consumers on it: create,
-  info, fetch and acknowledge, by consumer name;
+- a stream's **writers** publish to its subjects; its creators (writers and
+  readers unless the topology names them) may create it with the declared
+  shape (``ensure``); everyone who uses it reads its info; only writers may
+  update it;
+- a stream's **readers** fetch from and acknowledge their durable consumers,
+  by consumer name; each consumer's creator (its reader unless named) creates
+  it. Creating a consumer means choosing its configuration, a push
+  consumer's deliver subject included (the server then publishes the
+  stream's messages there), so workers, which run model code, create none:
+  routers create the work queue's consumers and workers bind to them;
 - a stream's **listeners** subscribe to its subjects as they are published,
   and its **observers** read its info (message counts per subject) only;
 - a key-value bucket's readers get, watch and list it; its writers also put;
@@ -83,26 +88,30 @@ class _Rules:
         self.subscribe.extend(s for s in subjects if s not in self.subscribe)
 
     def stream(self, spec: StreamSpec, role: Role) -> None:
-        uses = role in spec.writers | spec.readers
-        if uses or role in spec.observers:
+        if role in spec.writers | spec.readers | spec.observers:
             self.pub(f"{API}.STREAM.INFO.{spec.name}")
-        if uses:
+        if role in spec.may_create:
             self.pub(f"{API}.STREAM.CREATE.{spec.name}")
         if role in spec.writers:
             self.pub(f"{API}.STREAM.UPDATE.{spec.name}", *spec.subjects)
         if role in spec.listeners:
             self.sub(*spec.subjects)
 
-    def consumer(self, spec: ConsumerSpec, durable: str) -> None:
+    def consumer(self, spec: ConsumerSpec, durable: str, role: Role) -> None:
         stream = spec.stream
-        self.pub(
-            f"{API}.CONSUMER.CREATE.{stream}.{durable}",
-            f"{API}.CONSUMER.CREATE.{stream}.{durable}.>",
-            f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
-            f"{API}.CONSUMER.INFO.{stream}.{durable}",
-            f"{API}.CONSUMER.MSG.NEXT.{stream}.{durable}",
-            f"$JS.ACK.{stream}.{durable}.>",
-        )
+        if role in (spec.reader, spec.created_by):
+            self.pub(f"{API}.CONSUMER.INFO.{stream}.{durable}")
+        if role is spec.created_by:
+            self.pub(
+                f"{API}.CONSUMER.CREATE.{stream}.{durable}",
+                f"{API}.CONSUMER.CREATE.{stream}.{durable}.>",
+                f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
+            )
+        if role is spec.reader:
+            self.pub(
+                f"{API}.CONSUMER.MSG.NEXT.{stream}.{durable}",
+                f"$JS.ACK.{stream}.{durable}.>",
+            )
 
     def bucket(self, spec: BucketSpec, role: Role) -> None:
         if role not in spec.readers | spec.writers:
@@ -134,11 +143,9 @@ def grant(topology: Topology, role: Role) -> Grant:
     for stream in topology.streams:
         rules.stream(stream, role)
     for consumer in topology.consumers:
-        if consumer.reader is role:
-            rules.consumer(consumer, consumer.durable)
-    if role is Role.WORKER:
-        # one durable consumer per model on the shared work queue
-        rules.consumer(topology.workers("<model>"), "*")
+        rules.consumer(consumer, consumer.durable, role)
+    # one durable consumer per model on the shared work queue
+    rules.consumer(topology.workers("<model>"), "*", role)
     for bucket in topology.buckets:
         rules.bucket(bucket, role)
     for subject in topology.core:

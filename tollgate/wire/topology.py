@@ -16,6 +16,7 @@ each channel's contract.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -40,6 +41,9 @@ log = logging.getLogger("tollgate.topology")
 # How long a request may wait in a model's work queue at most. Routers give
 # up much sooner (their queue timeout); this only clears what nobody fetched.
 INFER_MAX_AGE_S = 600.0
+# How long a fetched request stays with a worker that has not acknowledged it
+# before it is offered to another (a worker acknowledges before it starts).
+WORK_ACK_WAIT_S = 30.0
 DEDUPE_WINDOW_S = 600.0
 # nats-server's JSStreamNameExistErr: "stream name already in use with a
 # different configuration" (the same configuration is no error).
@@ -85,10 +89,16 @@ class StreamSpec:
     readers: frozenset[Role]
     listeners: frozenset[Role] = frozenset()
     observers: frozenset[Role] = frozenset()
+    # who may create it when missing; None: its writers and readers
+    creators: frozenset[Role] | None = None
     retention: RetentionPolicy = RetentionPolicy.LIMITS
     max_age_s: float | None = None
     duplicate_window_s: float | None = None
     contract: Contract = None
+
+    @property
+    def may_create(self) -> frozenset[Role]:
+        return self.creators if self.creators is not None else self.writers | self.readers
 
     def config(self, replicas: int) -> StreamConfig:
         return StreamConfig(
@@ -127,13 +137,23 @@ class BucketSpec:
 
 @dataclass(frozen=True)
 class ConsumerSpec:
-    """A durable pull consumer: which stream, which subjects, which role reads it."""
+    """A durable pull consumer: which stream, which subjects, which role reads it.
+
+    ``creator`` creates it (its reader when None). Whoever may create a
+    consumer chooses its configuration, a push consumer's deliver subject
+    included, so a role that only reads gets a consumer made for it.
+    """
 
     what: str
     stream: str
     durable: str
     filter_subject: str
     reader: Role
+    creator: Role | None = None
+
+    @property
+    def created_by(self) -> Role:
+        return self.creator or self.reader
 
     def config(self, **tuning: Any) -> ConsumerConfig:
         """The consumer's config; ``tuning`` sets ack wait, pending limits and the like."""
@@ -191,6 +211,10 @@ class Topology:
             writers=_roles(R.ROUTER),
             readers=_roles(R.WORKER),
             observers=_roles(R.SCALER),  # queue depth per model, never a request
+            # Workers run model code: they create nothing on the bus (no stream,
+            # no consumer whose deliver subject they could choose). Routers
+            # create the stream and each model's consumer; workers bind to it.
+            creators=_roles(R.ROUTER),
             retention=RetentionPolicy.WORK_QUEUE,
             max_age_s=INFER_MAX_AGE_S,
             duplicate_window_s=120.0,
@@ -375,7 +399,16 @@ class Topology:
             self.subjects.infer_consumer(model_id),
             self.subjects.infer(model_id),
             R.WORKER,
+            creator=R.ROUTER,
         )
+
+    async def ensure_workers(self, js: JetStreamContext, model_ids: Iterable[str]) -> None:
+        """The work queue and each model's worker consumer (the router's part of ensure)."""
+        await self.ensure_stream(js, self.work, R.ROUTER)
+        for model_id in model_ids:
+            spec = self.workers(model_id)
+            config = spec.config(ack_wait=WORK_ACK_WAIT_S, max_ack_pending=-1)
+            await js.add_consumer(spec.stream, config)
 
     # -- the table ------------------------------------------------------------
 
@@ -404,7 +437,7 @@ class Topology:
 
         A role that only listens to or observes a stream does not create it.
         """
-        streams = [s for s in self.streams if role is None or role in s.writers | s.readers]
+        streams = [s for s in self.streams if role is None or role in s.may_create]
         buckets = [b for b in self.buckets if role is None or role in b.writers | b.readers]
         return streams, buckets
 
