@@ -209,3 +209,66 @@ class CuttingProxy:
     def close(self) -> None:
         self._closed = True
         self._server.close()
+
+
+class ListingProxy:
+    """An HTTP proxy to the S3 server whose listings name other keys: a malicious store.
+
+    Requests go through unchanged (their signatures name this proxy's address,
+    which moto checks as it would its own); in every answer ``renames`` maps
+    an object key the store holds to the key the listing shows instead, such
+    as one with ``..`` segments that no well-behaved store would hand out.
+    """
+
+    def __init__(self, target_port: int, renames: dict[str, str]) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from xml.sax.saxutils import escape
+
+        target = f"http://127.0.0.1:{target_port}"
+        swaps = [
+            (f"<Key>{escape(old)}</Key>".encode(), f"<Key>{escape(new)}</Key>".encode())
+            for old, new in renames.items()
+        ]
+        hop = {"connection", "keep-alive", "transfer-encoding", "content-length"}
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in hop}
+                reply = httpx.request(
+                    self.command, target + self.path, headers=headers, content=body, timeout=30
+                )
+                data = reply.content
+                for old, new in swaps:
+                    data = data.replace(old, new)
+                self.send_response(reply.status_code)
+                for name, value in reply.headers.items():
+                    if name.lower() not in hop | {"content-encoding"}:
+                        self.send_header(name, value)
+                if self.command == "HEAD":  # the object's length, and no body
+                    self.send_header("Content-Length", reply.headers.get("Content-Length", "0"))
+                    self.end_headers()
+                    return
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = int(self._server.server_address[1])
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

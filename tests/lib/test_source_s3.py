@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.lib.net import refused_port
-from tests.lib.s3_server import CuttingProxy, MotoServer
+from tests.lib.s3_server import CuttingProxy, ListingProxy, MotoServer
 from tollgate.app.modelcli import ProgressBar
 from tollgate.models.cache import MANIFEST, cache_entries, check_entry, prepare_model
 from tollgate.models.catalog import ModelEntry
-from tollgate.models.sources import FetchOptions, ModelSourceError
+from tollgate.models.sources import FetchOptions, ModelSourceError, no_progress, open_source
 
 WEIGHTS = os.urandom(12 << 20)  # 12 MiB: a three-part multipart upload of 5 MiB parts
 CONFIG = b'{"architectures": ["LlamaForCausalLM"]}'
@@ -124,6 +124,69 @@ def test_bad_sources_and_credentials_are_clear_and_leave_nothing(
     assert reason in message and "acme/tiny" in message and source in message
     assert "wrong" not in message.replace("is wrong", ""), "no secret in the message"
     assert_nothing_half_written(cache)
+
+
+def files_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir())
+
+
+def test_object_keys_with_dot_dot_segments_are_refused(moto: MotoServer, tmp_path: Path) -> None:
+    """A store whose listing names ``..`` keys writes nothing outside the cache entry."""
+    moto.put("models", "dotdot/config.json", CONFIG)
+    moto.put("models", "dotdot/weights-aaaaaaaaaaaaaaaaaaaaaa.bin", b"evil" * 100)
+    # The listing says ``dotdot/../../outside/escaped.bin`` (the cache entry is
+    # built in cache/.tmp-*/, so two ``..`` lead to tmp_path).
+    evil = "dotdot/../../outside/escaped.bin"
+    proxy = ListingProxy(moto.port, {"dotdot/weights-aaaaaaaaaaaaaaaaaaaaaa.bin": evil})
+    cache = tmp_path / "cache"
+    try:
+        with pytest.raises(ModelSourceError) as err:
+            prepare_model(
+                entry("s3://models/dotdot"), cache, options=options(moto, s3_endpoint_url=proxy.url)
+            )
+    finally:
+        proxy.close()
+    message = str(err.value)
+    assert repr(evil) in message and "'..' path segment" in message and "acme/tiny" in message
+    assert not (tmp_path / "outside").exists(), "a file was written outside the cache"
+    assert files_under(tmp_path) == [], "nothing written anywhere"
+
+
+def test_an_absolute_name_after_the_prefix_is_refused(moto: MotoServer, tmp_path: Path) -> None:
+    """``prefix//abs/path``: the name after the prefix is absolute; nothing goes there."""
+    target = tmp_path / "outside" / "abs.bin"
+    key = f"abs/{target}"  # abs//tmp/.../outside/abs.bin
+    assert "//" in key
+    moto.put("models", "abs/config.json", CONFIG)
+    moto.put("models", key, b"evil" * 100)
+    cache = tmp_path / "cache"
+    with pytest.raises(ModelSourceError) as err:
+        prepare_model(entry("s3://models/abs"), cache, options=options(moto))
+    assert repr(key) in str(err.value) and "absolute path" in str(err.value)
+    assert not target.exists() and not target.parent.exists()
+    assert_nothing_half_written(cache)
+
+
+@pytest.mark.parametrize("planted", ["config.json", "sub"])
+def test_a_symlink_planted_in_the_entry_is_not_followed(
+    moto: MotoServer, tmp_path: Path, planted: str
+) -> None:
+    """A link in the entry folder (a file's or a folder's name) is never written through."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim"
+    victim.write_bytes(b"keep me")
+    dest = tmp_path / "entry"
+    dest.mkdir()
+    (dest / planted).symlink_to(victim if planted == "config.json" else outside)
+    source = open_source(entry("s3://models/tiny"), options(moto))
+    snapshot = source.snapshot()
+    with pytest.raises(ModelSourceError) as err:
+        source.fetch(snapshot, dest, no_progress)
+    message = str(err.value)
+    assert "symbolic link" in message and "object key 'tiny/" in message
+    assert victim.read_bytes() == b"keep me"
+    assert files_under(outside) == ["victim"], "nothing written through the link"
 
 
 def test_a_cut_connection_resumes_where_it_stopped(moto: MotoServer, tmp_path: Path) -> None:

@@ -19,6 +19,8 @@ Every failure is a ``ModelSourceError`` that names the model and the source.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import importlib.util
 import os
@@ -298,28 +300,83 @@ class S3Source(Source):
                 for obj in self.client.list_objects(self.bucket, prefix=folder, recursive=True):
                     if obj.is_dir or obj.object_name.endswith("/"):
                         continue
-                    name = obj.object_name[len(folder) :]
-                    files.append(RemoteFile(name, int(obj.size), obj.object_name, obj.etag or ""))
+                    key = obj.object_name
+                    if not key.startswith(folder):  # the store listed what was not asked
+                        raise self.error(f"object key {key!r} is not under {folder!r}")
+                    name = key[len(folder) :]
+                    files.append(RemoteFile(name, int(obj.size), key, obj.etag or ""))
                 if not files and denied is not None:
                     raise denied
         except Exception as exc:
             raise self._explain(exc) from exc
         if not files:
             raise self.error(f"no objects under {self.prefix or '/'!r} [{self.endpoint}]")
+        for remote in files:  # before anything is written: a bad key fails the listing
+            self._checked_name(remote)
         files.sort(key=lambda f: f.key)
         listing = "\n".join(f"{f.key} {f.etag} {f.size}" for f in files)
         return Snapshot(revision=hashlib.sha256(listing.encode()).hexdigest()[:16], files=files)
 
+    def _checked_name(self, remote: RemoteFile) -> list[str]:
+        """The segments of the object's path inside the model folder, or a clear error.
+
+        An object key is the store's text, not a trusted path: an absolute name
+        (a key with ``//`` after the prefix), an empty, ``.`` or ``..`` segment
+        could put a file anywhere, so the listing is refused instead.
+        """
+        reason = _unsafe_name(remote.name)
+        if reason is not None:
+            raise self.error(
+                f"object key {remote.key!r} is not a file name inside the model folder "
+                f"({reason}); refusing to fetch"
+            )
+        return remote.name.split("/")
+
+    def _create(self, root: int, remote: RemoteFile) -> int:
+        """Open the object's file for writing, inside the folder ``root`` (a descriptor).
+
+        Every folder on the way is opened relative to the one above it and
+        none of them, nor the file, may be a symbolic link: what a listing or
+        a planted link names is never written outside the entry.
+        """
+        *folders, file_name = self._checked_name(remote)
+        where = os.dup(root)
+        try:
+            for folder in folders:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(folder, 0o755, dir_fd=where)
+                inner = os.open(
+                    folder,
+                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    dir_fd=where,
+                )
+                os.close(where)
+                where = inner
+            return os.open(
+                file_name,
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644,
+                dir_fd=where,
+            )
+        except OSError as exc:
+            raise self.error(
+                f"object key {remote.key!r}: cannot write {remote.name!r} inside the model "
+                f"folder ({_why(exc)}); refusing to fetch"
+            ) from None
+        finally:
+            os.close(where)
+
     def fetch(self, snapshot: Snapshot, dest: Path, progress: ProgressFn) -> FileDigests:
+        for remote in snapshot.files:  # all of them, before the first byte is written
+            self._checked_name(remote)
         counter = _ByteCounter(snapshot.size, progress)
         abort = threading.Event()
         fds: list[int] = []
+        root = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             jobs: list[tuple[RemoteFile, int, int, int]] = []
             for remote in snapshot.files:
-                path = dest / remote.name
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = self._create(root, remote)
                 fds.append(fd)
                 os.ftruncate(fd, remote.size)
                 for start in range(0, remote.size, self.options.part_bytes):
@@ -342,6 +399,7 @@ class S3Source(Source):
         finally:
             for fd in fds:
                 os.close(fd)
+            os.close(root)
         counter.finish()
         # each part hashed as it arrived, in its own thread: no second read
         digests: FileDigests = {
@@ -405,6 +463,28 @@ class S3Source(Source):
                     response.close()
                     response.release_conn()
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _unsafe_name(name: str) -> str | None:
+    """Why ``name`` is not a plain relative path inside a folder (None: it is)."""
+    if not name:
+        return "an empty name"
+    if name.startswith("/"):
+        return "an absolute path"
+    if "\0" in name:
+        return "a NUL character"
+    for segment in name.split("/"):
+        if segment == "":
+            return "an empty path segment"
+        if segment in (".", ".."):
+            return f"a {segment!r} path segment"
+    return None
+
+
+def _why(exc: OSError) -> str:
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EEXIST):
+        return "a symbolic link or another file is in the way"
+    return exc.strerror or type(exc).__name__
 
 
 class _ByteCounter:
@@ -519,6 +599,12 @@ class HuggingFaceSource(Source):
             if any(n.endswith(".safetensors") for n in names):
                 names = [n for n in names if not n.endswith(_SKIP_WITH_SAFETENSORS)]
         files = [RemoteFile(Path(n).name if self.file else n, siblings[n], n) for n in names]
+        for remote in files:  # the hub's names become paths in the cache entry
+            reason = _unsafe_name(remote.name)
+            if reason is not None:
+                raise self.error(
+                    f"file {remote.key!r} is not a file name inside the model folder ({reason})"
+                )
         return Snapshot(revision=str(info.sha), files=files)
 
     def fetch(self, snapshot: Snapshot, dest: Path, progress: ProgressFn) -> FileDigests:
