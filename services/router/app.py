@@ -104,7 +104,10 @@ def create_app(
             catalog, dispatcher, workers, settings, limiter, usage, metrics, capturer
         )
         app[SERVING] = serving
-        keys = KeyMirror(settings.hs256_secrets)
+        keys = KeyMirror(
+            settings.hs256_secrets, settings.whitelist_max_lag_s, settings.retry_after_s
+        )
+        metrics.track_whitelist(lambda: keys.lag_s, lambda: keys.stale)
         app[KEYS] = keys
         if settings.auth:
             await keys.start(nc, topology)

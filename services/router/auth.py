@@ -4,6 +4,18 @@ The mirror watches the KV buckets ``tg_keys`` and ``tg_signing_keys``; a check
 is a signature verification and a dict lookup, with no network call. Until
 both buckets are loaded the router is not ready, so no call gets through on a
 half-loaded whitelist.
+
+A token verifies only under a signing key whose record in ``tg_signing_keys``
+is present and not retired, whatever the algorithm: HS256 secrets come from
+the router's settings (they never go on the bus), but a secret is used only
+while its kid's record says the key is live, so retiring an HS256 key works
+like retiring any other.
+
+The mirror is only as good as its watch. Every few seconds it compares each
+bucket's last sequence (the stream info of ``KV_<bucket>``) with the last one
+it applied; behind for longer than ``max_lag_s`` it is stale: the router is
+not ready and refuses keys (503) rather than honour a key that may have been
+revoked, and the watch is started again. It recovers once it has caught up.
 """
 
 from __future__ import annotations
@@ -35,6 +47,14 @@ class InvalidApiKey(TollgateError):
     code = "invalid_api_key"
 
 
+class WhitelistStale(TollgateError):
+    """The whitelist mirror has fallen behind its buckets: no key can be trusted."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "whitelist_stale"
+
+
 @dataclass(frozen=True)
 class Principal:
     key_id: str
@@ -51,22 +71,50 @@ def _token(request: web.Request) -> str | None:
     return api_key or None
 
 
+BUCKETS = ("keys", "signing")
+
+
 class KeyMirror:
-    def __init__(self, hs256_secrets: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        hs256_secrets: dict[str, str] | None = None,
+        max_lag_s: float = 10.0,
+        retry_after_s: int = 5,
+    ) -> None:
         self.records: dict[str, KeyRecord] = {}
-        self.verifier = TokenVerifier(hs256_secrets)
-        self._synced = {"keys": asyncio.Event(), "signing": asyncio.Event()}
+        self.signing_keys: dict[str, SigningKey] = {}  # the bucket's records, retired included
+        self._hs256 = dict(hs256_secrets or {})
+        # No secret verifies until its kid's signing-key record says it is live.
+        self.verifier = TokenVerifier()
+        self.max_lag_s = max_lag_s
+        self.retry_after_s = retry_after_s
+        self._synced = {name: asyncio.Event() for name in BUCKETS}
+        self._restart = {name: asyncio.Event() for name in BUCKETS}
+        self._applied = dict.fromkeys(BUCKETS, 0)  # last stream sequence applied
+        self._floor = dict.fromkeys(BUCKETS, 0)  # covered once a new watch has loaded
+        self._behind_since: dict[str, float | None] = dict.fromkeys(BUCKETS)
+        self._progress_at = dict.fromkeys(BUCKETS, time.monotonic())
+        self._restarted_at = dict.fromkeys(BUCKETS, 0.0)
+        self.stale = False
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def ready(self) -> bool:
-        return all(event.is_set() for event in self._synced.values())
+        return not self.stale and all(event.is_set() for event in self._synced.values())
+
+    @property
+    def lag_s(self) -> float:
+        """How long the mirror has been behind its buckets (0 when current)."""
+        now = time.monotonic()
+        return max((now - t for t in self._behind_since.values() if t is not None), default=0.0)
 
     async def start(self, nc: NATS, topology: Topology) -> None:
         store = await KeyStore(nc.jetstream(), topology, role=Role.ROUTER).open()
+        buckets = {"keys": store.keys, "signing": store.signing}
         self._tasks = [
             asyncio.create_task(self._watch(nc, store.keys, "keys", self._apply_key)),
             asyncio.create_task(self._watch(nc, store.signing, "signing", self._apply_signing)),
+            asyncio.create_task(self._check_lag(buckets)),
         ]
 
     async def stop(self) -> None:
@@ -83,13 +131,20 @@ class KeyMirror:
         nats.py's ordered consumer does not always recover it (its activity
         check stops at the first failed reset), so a new watch is started
         instead. Replaying the bucket is idempotent: the latest value of every
-        key, and delete markers for removed keys.
+        key, and delete markers for removed keys. The lag check starts a new
+        watch the same way when this one has stalled.
         """
+        restart = self._restart[name]
         while True:
             reconnects = nc.stats["reconnects"]
+            restart.clear()
             follow = asyncio.create_task(self._follow(kv, name, apply))
             try:
-                while not follow.done() and nc.stats["reconnects"] == reconnects:
+                while (
+                    not follow.done()
+                    and nc.stats["reconnects"] == reconnects
+                    and not restart.is_set()
+                ):
                     await asyncio.wait({follow}, timeout=0.5)
             finally:
                 follow.cancel()
@@ -107,20 +162,40 @@ class KeyMirror:
     async def _follow(self, kv: Any, name: str, apply: Callable[[str, bytes | None], None]) -> None:
         while True:
             try:
+                # The new watch delivers at least what the bucket holds now.
+                status = await kv.status()
+                self._floor[name] = max(self._floor[name], status.stream_info.state.last_seq)
                 watcher = await kv.watchall()
                 async for entry in watcher:
                     if entry is None:  # the initial values are all in
-                        self._synced[name].set()
+                        self._loaded(name)
                         continue
-                    deleted = entry.operation in ("DEL", "PURGE")
-                    apply(entry.key, None if deleted else entry.value)
+                    self._receive(name, apply, entry)
                     if entry.delta == 0:
-                        self._synced[name].set()
+                        self._loaded(name)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # NATS restarting: watch again from the start
                 log.warning("watch of %s failed: %s: %s", name, type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
+
+    def _receive(self, name: str, apply: Callable[[str, bytes | None], None], entry: Any) -> None:
+        """Apply one entry of a watch and remember its sequence."""
+        deleted = entry.operation in ("DEL", "PURGE")
+        apply(entry.key, None if deleted else entry.value)
+        self._advance(name, entry.revision or 0)
+
+    def _loaded(self, name: str) -> None:
+        """A watch delivered the bucket as it was when it started."""
+        self._synced[name].set()
+        # The bucket's last sequence when this watch started is covered now, even
+        # when no watch delivers it (a delete marker purged since).
+        self._advance(name, self._floor[name])
+
+    def _advance(self, name: str, seq: int) -> None:
+        if seq > self._applied[name]:
+            self._applied[name] = seq
+            self._progress_at[name] = time.monotonic()
 
     def _apply_key(self, key: str, value: bytes | None) -> None:
         if value is None:
@@ -133,16 +208,98 @@ class KeyMirror:
 
     def _apply_signing(self, kid: str, value: bytes | None) -> None:
         if value is None:
-            self.verifier.remove(kid)
+            self.signing_keys.pop(kid, None)
+        else:
+            try:
+                self.signing_keys[kid] = SigningKey.model_validate_json(value)
+            except ValueError:
+                log.error("malformed signing key ignored", extra={"kid": kid})
+                return
+        self.verifier = self._verifier()
+
+    def _verifier(self) -> TokenVerifier:
+        """A verifier for the live signing keys: a record present and not retired.
+
+        Signing keys change rarely, so the verifier is built anew (which also
+        empties its cache of verified tokens).
+        """
+        live = [key for key in self.signing_keys.values() if not key.retired]
+        hs256 = {
+            k.kid: self._hs256[k.kid] for k in live if k.alg == "HS256" and k.kid in self._hs256
+        }
+        verifier = TokenVerifier(hs256)
+        for key in live:
+            if key.alg == "HS256":
+                continue
+            try:
+                verifier.set_key(key)
+            except ValueError:
+                log.error(
+                    "signing key with an unreadable public key ignored", extra={"kid": key.kid}
+                )
+        return verifier
+
+    # -- staleness ---------------------------------------------------------
+
+    async def _check_lag(self, buckets: dict[str, Any]) -> None:
+        """Compare each bucket's last sequence with the last applied, periodically."""
+        period = min(1.0, self.max_lag_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            for name, kv in buckets.items():
+                try:
+                    status = await kv.status()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # NATS away: the lag keeps counting
+                    log.debug("stream info of %s failed: %s: %s", name, type(exc).__name__, exc)
+                    continue
+                self.observe(name, status.stream_info.state.last_seq)
+            self._judge()
+
+    def observe(self, name: str, last_seq: int) -> None:
+        """The bucket's stream is at ``last_seq``: note whether the mirror is behind."""
+        now = time.monotonic()
+        if self._applied[name] >= last_seq:
+            self._behind_since[name] = None
             return
-        try:
-            self.verifier.set_key(SigningKey.model_validate_json(value))
-        except ValueError:
-            log.error("malformed signing key ignored", extra={"kid": kid})
+        if self._behind_since[name] is None:
+            self._behind_since[name] = now
+        behind_for = now - (self._behind_since[name] or now)
+        stuck_for = now - max(self._progress_at[name], self._restarted_at[name])
+        if behind_for > self.max_lag_s and stuck_for > self.max_lag_s:
+            log.warning(
+                "watch of %s stalled (applied %d of %d): watching it again",
+                name,
+                self._applied[name],
+                last_seq,
+            )
+            self._restarted_at[name] = now
+            self._restart[name].set()
+
+    def _judge(self) -> None:
+        lag = self.lag_s
+        stale = lag > self.max_lag_s
+        if stale and not self.stale:
+            log.error(
+                "key whitelist stale: %.1f s behind its buckets (bound %.1f s); "
+                "refusing keys and not ready until it catches up",
+                lag,
+                self.max_lag_s,
+                extra={"applied": dict(self._applied)},
+            )
+        elif self.stale and not stale:
+            log.warning("key whitelist caught up with its buckets: serving keys again")
+        self.stale = stale
 
     # -- the hot path ------------------------------------------------------
 
     def authenticate(self, request: web.Request) -> Principal:
+        if self.stale:
+            raise WhitelistStale(
+                "The server cannot check API keys right now. Please retry shortly.",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
         token = _token(request)
         if token is None:
             raise InvalidApiKey(

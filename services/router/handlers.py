@@ -25,6 +25,7 @@ from services.router.appkeys import (
 from services.router.auth import Principal
 from services.router.dispatch import Call
 from services.router.errors import (
+    InvalidRequest,
     ModelNotFound,
     PayloadTooLarge,
     ServiceUnavailable,
@@ -34,6 +35,7 @@ from services.router.errors import (
     sse_error_event,
 )
 from services.router.lifecycle import CallLife, ClientGone, Keepalive
+from services.router.limits import prompts_of
 from tollgate.models.catalog import ModelEntry
 from tollgate.runtime import tracing
 from tollgate.runtime.logs import request_id_var
@@ -111,6 +113,8 @@ async def _serve_call(
     try:
         principal = _principal(request)
         prepared = serving.parse(endpoint, await _read_body(request))
+        if endpoint is Endpoint.COMPLETIONS:
+            _check_prompts(request, prepared.body["prompt"])
         if principal is not None:
             request.app[KEYS].authorize(principal, prepared.entry, prepared.body["model"])
         if span is not None:
@@ -130,6 +134,18 @@ async def _serve_call(
     if prepared.stream:
         return await _stream(request, life)
     return await _full(request, life)
+
+
+def _check_prompts(request: web.Request, prompt: Any) -> None:
+    """A batch of prompts is one generation each: the edge caps how many one request holds."""
+    count = len(prompts_of(prompt))
+    most = request.app[SETTINGS].max_prompts
+    if count > most:
+        raise InvalidRequest(
+            f"Invalid value for 'prompt': {count} prompts in one request; at most {most} "
+            "are accepted. Split the batch over several requests.",
+            param="prompt",
+        )
 
 
 async def _full(request: web.Request, life: CallLife) -> web.StreamResponse:

@@ -9,9 +9,10 @@ one round trip when it is the only writer, a read and a retry when not.
   memory storage, entries expire after two minutes);
 - token budgets per day, month or in total (the ``budgets`` bucket, file storage).
 
-Tokens are reserved before dispatch at the worst case (an upper bound of the
-prompt plus the completion limit) and settled to the engine's count after, so
-an overshoot is bounded by the reservations in flight, never by how many
+Tokens are reserved before dispatch at the worst case (:func:`worst_case_tokens`:
+an upper bound of every prompt plus the completion limit for each prompt and
+each of its ``n`` choices) and settled to the engine's count after, so an
+overshoot is bounded by the reservations in flight, never by how many
 requests raced.
 """
 
@@ -22,13 +23,55 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.router.errors import QuotaExceeded, RateLimited
 from tollgate.keys.records import KeyRecord, budget_window
+from tollgate.wire.contracts import Endpoint
 from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.limits")
+
+
+# Template and special tokens a prompt may gain on top of its own bytes.
+PROMPT_OVERHEAD = 64
+
+
+def prompts_of(prompt: Any) -> list[Any]:
+    """The prompts of a /v1/completions ``prompt``: a string or a token array is one,
+    a list of strings or of token arrays is a batch, one generation each."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return prompt
+    return [prompt]
+
+
+def worst_case_tokens(endpoint: Endpoint, body: dict[str, Any], context: int) -> int:
+    """An upper bound of the tokens a request can use, to reserve before dispatch.
+
+    A byte-level tokenizer never makes more tokens than a prompt has bytes, a
+    token array is its length, and a chat template adds a bounded overhead;
+    no prompt passes the context. Each prompt of a batch is generated on its
+    own, ``n`` (or ``best_of``) times, each completion bounded by its limit
+    (or the context): prompts x n x limit, plus every prompt.
+    """
+    if endpoint is Endpoint.CHAT:
+        prompts: list[Any] = [body.get("messages")]
+    else:
+        prompts = prompts_of(body.get("prompt"))
+    prompt_bound = 0
+    for prompt in prompts:
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            prompt_bound += min(context, len(prompt))
+        else:
+            prompt_bound += min(context, len(orjson.dumps(prompt)) + PROMPT_OVERHEAD)
+    limit = min(
+        int(body.get("max_completion_tokens") or body.get("max_tokens") or context), context
+    )
+    choices = max(
+        v for v in (body.get("n"), body.get("best_of"), 1) if isinstance(v, int) and v >= 1
+    )
+    return prompt_bound + len(prompts) * choices * limit
 
 
 @dataclass

@@ -78,6 +78,21 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.whitelist_lag = Gauge(
+            "tollgate_router_whitelist_lag_seconds",
+            "How long the key whitelist mirror has trailed its KV buckets (0: current).",
+            registry=r,
+        )
+        self.whitelist_stale = Gauge(
+            "tollgate_router_whitelist_stale",
+            "1 while the whitelist mirror trails past its bound (keys refused, not ready).",
+            registry=r,
+        )
+
+    def track_whitelist(self, lag_s: Callable[[], float], stale: Callable[[], bool]) -> None:
+        self.whitelist_lag.set_function(lag_s)
+        self.whitelist_stale.set_function(lambda: float(stale()))
+
     def track(self, in_flight: Callable[[], float], queued: Callable[[], float]) -> None:
         self.in_flight.set_function(in_flight)
         self.queued.set_function(queued)

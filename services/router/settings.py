@@ -56,6 +56,14 @@ class RouterSettings(BaseSettings):
     hs256_secrets: dict[str, str] = Field(
         default_factory=dict, description="HS256 signing secrets by kid (JSON), if HS256 is used."
     )
+    whitelist_max_lag_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Longest the whitelist may trail its buckets (then not ready, keys refused).",
+    )
+    max_prompts: int = Field(
+        default=64, ge=1, description="Most prompts in one /v1/completions request (batched)."
+    )
     capture_tenants: list[str] = Field(
         default_factory=list,
         description="Tenants whose requests and responses are kept (JSON list; '*': all).",

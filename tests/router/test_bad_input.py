@@ -124,3 +124,16 @@ def test_unknown_openai_fields_are_accepted(post: Post, sim_workers: None) -> No
     r = post(CHAT, json={**GOOD, "max_tokens": 2, "some_future_field": {"a": 1}})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [["hi"] * 65, [[1, 2, 3]] * 65],
+    ids=["strings", "token-arrays"],
+)
+def test_too_many_prompts_in_one_completion_request(post: Post, prompt: list[Any]) -> None:
+    body = {"model": SIM_MODEL, "prompt": prompt, "max_tokens": 8}
+    r = post("/v1/completions", json=body)
+    error = assert_openai_error(r, 400, param="prompt")
+    assert error["type"] == "invalid_request_error"
+    assert "65 prompts" in error["message"] and "at most 64" in error["message"]

@@ -1,0 +1,93 @@
+"""Batched prompts reserve what they can generate: prompts x n x the completion limit."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from services.router.limits import prompts_of, worst_case_tokens
+from tests.router.test_key_mirror import OpenKeys, signing_keys, wait_status
+from tests.router.test_key_mirror import open_keys as open_keys
+from tests.router.test_lifecycle import CATALOG, MODEL, OpenRouter, Reply
+from tests.router.test_lifecycle import open_router as open_router
+from tollgate.wire.contracts import ChunkKind, Endpoint, Outcome, Usage
+
+CONTEXT = CATALOG.models[MODEL].max_model_len
+
+
+def test_prompts_of_a_completion_request() -> None:
+    assert prompts_of("hi") == ["hi"]
+    assert prompts_of([1, 2, 3]) == [[1, 2, 3]]
+    assert prompts_of(["a", "b"]) == ["a", "b"]
+    assert prompts_of([[1], [2, 3]]) == [[1], [2, 3]]
+
+
+def test_the_worst_case_counts_every_prompt_and_every_choice() -> None:
+    one = {"prompt": "hello", "max_tokens": 100}
+    single = worst_case_tokens(Endpoint.COMPLETIONS, one, CONTEXT)
+    assert single == len(orjson.dumps("hello")) + 64 + 100
+    batch = {"prompt": ["hello"] * 1000, "max_tokens": 100, "n": 3}
+    assert (
+        worst_case_tokens(Endpoint.COMPLETIONS, batch, CONTEXT)
+        == 1000 * (len(orjson.dumps("hello")) + 64) + 1000 * 3 * 100
+    )
+    tokens = {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 10, "n": 2}
+    assert worst_case_tokens(Endpoint.COMPLETIONS, tokens, CONTEXT) == 5 + 2 * 2 * 10
+    # no limit: each completion is bounded by the context
+    unbounded = {"prompt": ["a", "b"]}
+    assert worst_case_tokens(Endpoint.COMPLETIONS, unbounded, CONTEXT) >= 2 * CONTEXT
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "n": 2}
+    assert worst_case_tokens(Endpoint.CHAT, chat, CONTEXT) == (
+        len(orjson.dumps(chat["messages"])) + 64 + 2 * 5
+    )
+
+
+PROMPTS = [f"prompt number {i}" for i in range(8)]
+BATCH = {"model": MODEL, "prompt": PROMPTS, "max_tokens": 16, "n": 2}
+GENERATED = len(PROMPTS) * 2 * 16  # what an engine makes of BATCH at most
+
+
+async def _answer_every_prompt(reply: Reply) -> None:
+    """An engine that generates for every prompt and choice up to the limit."""
+    await reply.start()
+    await asyncio.sleep(0.2)  # the reservations of every racing request are in flight
+    await reply.send(ChunkKind.DATA, data='{"object":"text_completion","choices":[]}')
+    usage = Usage(prompt_tokens=len(PROMPTS) * 4, completion_tokens=GENERATED)
+    await reply.end(Outcome.COMPLETED, usage, "length")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs OpenAIServing.submit to reserve limits.worst_case_tokens "
+    "(services/router/serving.py still counts one prompt)",
+)
+async def test_batched_requests_cannot_overshoot_a_budget_sized_for_ten(
+    open_router: OpenRouter, open_keys: OpenKeys, tmp_path: Path
+) -> None:
+    router = await open_router(auth=True)
+    keys = await open_keys(router, signing_keys(tmp_path, "EdDSA"))
+    await keys.publish_current()
+    await router.worker(_answer_every_prompt)
+    worst = worst_case_tokens(Endpoint.COMPLETIONS, BATCH, CONTEXT)
+    budget = 10 * worst
+    token, _ = await keys.issue(budget_tokens=budget, budget_period="total")
+    await wait_status(router, token, 200)
+    headers = {"Authorization": f"Bearer {token}"}
+
+    async def one() -> tuple[int, Any]:
+        r = await router.http.post("/v1/completions", json=BATCH, headers=headers)
+        return r.status, await r.json()
+
+    results = await asyncio.gather(*(one() for _ in range(30)))
+    ran = [body for status, body in results if status == 200]
+    refused = [body for status, body in results if status == 429]
+    assert len(ran) + len(refused) == 30, [status for status, _ in results]
+    assert all(body["error"]["code"] == "insufficient_quota" for body in refused)
+    billed = len(ran) * (len(PROMPTS) * 4 + GENERATED)
+    # every request reserved what it could generate, so no more than ten ran
+    assert len(ran) == 10, len(ran)
+    assert billed <= budget
