@@ -11,7 +11,9 @@ authoritative count from usage events, and its mark also covers budgets an
 admin lowers below what was spent.
 
 Usage events arrive through a FastStream batch subscriber (typed: each message
-read as a :class:`UsageEvent`) on the durable ``auth-budget`` consumer. A
+read as a :class:`UsageEvent`, whose own validation refuses negative or absurd
+token counts; such an event is acked, logged and counted as invalid, never
+added to spend) on the durable ``auth-budget`` consumer. A
 batch is counted in stream order and each message is acked right after it is
 counted; :meth:`BudgetLedger.reconcile` runs between batches, never during one.
 """
@@ -112,8 +114,15 @@ class BudgetLedger:
         async with self._one_at_a_time:
             for event, msg in zip(events, batch.raw_message, strict=True):
                 if event is None:
-                    log.error("malformed usage event skipped")
+                    # Not a valid tg.usage.v1 event (the contract's checks: token
+                    # counts, time, status): acked and skipped, never spend.
+                    log.error(
+                        "invalid usage event skipped",
+                        extra={"stream_seq": msg.metadata.sequence.stream, "subject": msg.subject},
+                    )
                     await msg.ack()
+                    if self.metrics is not None:
+                        self.metrics.invalid_events.inc()
                     continue
                 await self.count(event, msg.metadata.sequence.stream)
                 await msg.ack()

@@ -21,3 +21,9 @@ class AuthMetrics:
         self.events = Counter(
             "tollgate_auth_usage_events", "Usage events the budget ledger counted.", registry=r
         )
+        self.invalid_events = Counter(
+            "tollgate_auth_usage_events_invalid",
+            "Usage messages the budget ledger skipped: not a valid tg.usage.v1 event "
+            "(malformed, or token counts, time or status out of range).",
+            registry=r,
+        )

@@ -271,3 +271,54 @@ async def test_the_ledger_counts_acks_and_stops_cleanly_on_nats(nats_server: Nat
         await broker.stop()
     finally:
         await bus.close(nc)
+
+
+async def test_an_invalid_usage_event_is_never_spend_on_nats(nats_server: NatsServer) -> None:
+    """Negative or absurd token counts on the usage stream: acked, logged, counted, not spent."""
+    topology = Topology(Subjects(f"ledger{uuid.uuid4().hex[:6]}"))
+    nc = await nats_server.connect(name="test-ledger-invalid")  # the operator
+    js = nc.jetstream()
+    try:
+        await topology.ensure(js, Role.AUTH)
+        store = await KeyStore(js, topology, actor="test").open()
+        record = KeyRecord(key_id="k1", tenant="acme", budget_tokens=10**9, budget_period="day")
+        await store.keys.put(record.key_id, record.model_dump_json().encode())
+        key = f"k1.{budget_window('day', time.time())}"
+
+        def forged(**fields: Any) -> bytes:
+            return orjson.dumps({**orjson.loads(codec.encode(usage("k1", 10, 10))), **fields})
+
+        bodies = [
+            codec.encode(usage("k1", 5, 5)),
+            forged(prompt_tokens=-1_000_000),  # a credit
+            forged(completion_tokens=-5),
+            forged(prompt_tokens=2**40),  # no request is that long
+            codec.encode(usage("k1", 7, 3)),
+        ]
+        for body in bodies:
+            await js.publish(
+                topology.subjects.usage("acme"), body, headers={"Nats-Msg-Id": uuid.uuid4().hex}
+            )
+
+        metrics = AuthMetrics()
+        ledger = BudgetLedger(js, store, topology, 3600, metrics)
+        await ledger.open()
+        broker = ControlBroker(nc, name="test-auth", graceful_timeout=10)
+        ledger.subscribe(broker)
+        await broker.start()
+
+        async def all_acked() -> bool:
+            info = await js.consumer_info(topology.usage.name, topology.auth_budget.durable)
+            return (
+                info.num_ack_pending == 0
+                and info.num_pending == 0
+                and info.delivered.stream_seq == 5
+            )
+
+        await wait_for(all_acked, "the ledger did not ack every message")
+        await broker.stop()
+        assert await spend_of(ledger.spend, key) == 10 + 10
+        assert metrics.registry.get_sample_value("tollgate_auth_usage_events_total") == 2
+        assert metrics.registry.get_sample_value("tollgate_auth_usage_events_invalid_total") == 3
+    finally:
+        await bus.close(nc)

@@ -49,10 +49,14 @@ def usage(i: int, **fields: Any) -> dict[str, Any]:
     [
         (b"not json", "not a tg.usage.v1 event"),
         (b'{"type": "tg.usage.v1"}', "request_id"),
-        (orjson.dumps(usage(1, completion_tokens=-5)), "completion_tokens out of range"),
-        (orjson.dumps(usage(1, prompt_tokens=2**40)), "prompt_tokens out of range"),
+        (
+            orjson.dumps(usage(1, completion_tokens=-5)),
+            "completion_tokens: Input should be greater",
+        ),
+        (orjson.dumps(usage(1, prompt_tokens=2**40)), "prompt_tokens: Input should be less"),
         (orjson.dumps(usage(1, http_status=70_000)), "http_status"),
-        (orjson.dumps(usage(1, time=12.0)), "time out of range"),
+        (orjson.dumps(usage(1, time=12.0)), "time: Input should be greater"),
+        (orjson.dumps(usage(1, time=time.time() + 2 * 86_400)), "time: .* ahead of the reader"),
     ],
 )
 def test_events_that_can_never_be_rows_are_poison(data: bytes, reason: str) -> None:
@@ -216,3 +220,33 @@ async def test_an_unavailable_clickhouse_delays_rows_and_loses_none(
     assert h.metrics.insert_failures._value.get() == 4
     assert h.count("SELECT count() FROM usage_events") == 120
     assert h.count("SELECT sum(requests) FROM usage_hourly") == 120
+
+
+async def test_events_the_contract_refuses_are_dead_lettered_not_stored(
+    harness: Harness,
+) -> None:
+    """Negative or absurd token counts: the contract's checks, as the ledger applies them."""
+    h = harness
+    bad = [
+        usage(1, prompt_tokens=-1_000_000),
+        usage(2, completion_tokens=50_000_000),  # fits a UInt32 column; no request is that long
+        usage(3, prompt_tokens=10_000_001),
+    ]
+    for body in [usage(0), *bad, usage(4)]:
+        await h.publish(body, msg_id=str(body["request_id"]))
+    await h.until(lambda: h.metrics.dead_lettered._value.get() == 3)
+    await h.until(lambda: h.metrics.inserted._value.get() == 2)
+    assert h.count("SELECT count() FROM usage_events") == 2
+    assert h.count("SELECT count() FROM usage_events WHERE request_id IN ('r00000', 'r00004')") == 2
+    info = await h.js.stream_info(h.subjects.dead_letter_stream)
+    reasons = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        letter = await h.js.get_msg(h.subjects.dead_letter_stream, seq)
+        assert letter.headers is not None
+        reasons.append(letter.headers["Tollgate-Reason"])
+    assert [r.split(":")[1].strip() for r in reasons] == [
+        "prompt_tokens",
+        "completion_tokens",
+        "prompt_tokens",
+    ]
+    assert all(r.startswith("not a tg.usage.v1 event") for r in reasons)

@@ -6,11 +6,13 @@ never repurposed; a breaking change is a new version with a new type id.
 
 from __future__ import annotations
 
+import math
 import re
+import time as _time
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class _Contract(BaseModel):
@@ -173,28 +175,82 @@ class WorkerHeartbeat(_Contract):
     )
 
 
+# Bounds every reader of a usage event applies (the contract's own validation):
+# no request reaches MAX_TOKENS of either kind, and no event ended before 2000
+# or more than a day after the reader's clock.
+MAX_TOKENS = 10_000_000
+EARLIEST_TIME = 946_684_800.0  # 2000-01-01
+LATEST_AHEAD_S = 86_400.0
+
+
+def _clamped_duration(value: Any, unknown: float | None) -> Any:
+    """A negative duration is 0, a non-finite one unknown: timings never cost the row."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value  # None, or not a number at all: the field's own type decides
+    if not math.isfinite(value):
+        return unknown
+    return max(0.0, float(value))
+
+
 class UsageEvent(_Contract):
-    """One per accepted request, whatever its ending: what billing counts."""
+    """One per accepted request, whatever its ending: what billing counts.
+
+    Every consumer (the metering writer, the budget ledger) reads it through
+    this contract, so an event either passes the same checks everywhere or is
+    refused everywhere: token counts are between 0 and 10,000,000, the
+    time between 2000 and a day ahead of the reader's clock (``now`` in the
+    validation context, else the clock), the HTTP status a 16-bit number.
+    Timings do not decide the bill: a negative one is read as 0 and a
+    non-finite one as unknown, never a reason to refuse the event.
+    """
 
     type: Literal["tg.usage.v1"] = Field(default="tg.usage.v1", description="Contract type id.")
     request_id: str = Field(description="The request (also Nats-Msg-Id and x-request-id).")
-    time: float = Field(description="Unix time the request ended.")
+    time: float = Field(
+        ge=EARLIEST_TIME,
+        allow_inf_nan=False,
+        description="Unix time the request ended (at most a day ahead of the reader's clock).",
+    )
     tenant: str = Field(description="Who pays.")
     key_id: str | None = Field(default=None, description="The API key used (none: auth off).")
     model: str = Field(description="Canonical model id.")
     worker_id: str | None = Field(default=None, description="Worker that ran it, if any.")
-    prompt_tokens: int = Field(description="Prompt tokens, as the engine counted them.")
-    completion_tokens: int = Field(description="Completion tokens, as the engine counted them.")
+    prompt_tokens: int = Field(
+        ge=0, le=MAX_TOKENS, description="Prompt tokens, as the engine counted them."
+    )
+    completion_tokens: int = Field(
+        ge=0, le=MAX_TOKENS, description="Completion tokens, as the engine counted them."
+    )
     outcome: Outcome = Field(
         description="How it ended (completed, client_disconnected, worker_lost, ...); the "
         "wire value is the enum's string."
     )
     finish_reason: str | None = Field(default=None, description="stop, length, ... when known.")
     streamed: bool = Field(description="Whether the client asked for a stream.")
-    queue_s: float | None = Field(default=None, description="Seconds until a worker took it.")
-    ttft_s: float | None = Field(default=None, description="Seconds until the first output.")
-    total_s: float = Field(description="Seconds from arrival to the end.")
-    http_status: int = Field(description="HTTP status the client got.")
+    queue_s: float | None = Field(default=None, ge=0, description="Seconds until a worker took it.")
+    ttft_s: float | None = Field(default=None, ge=0, description="Seconds until the first output.")
+    total_s: float = Field(ge=0, description="Seconds from arrival to the end.")
+    http_status: int = Field(ge=0, lt=2**16, description="HTTP status the client got.")
+
+    @field_validator("queue_s", "ttft_s", mode="before")
+    @classmethod
+    def _optional_duration(cls, value: Any) -> Any:
+        return _clamped_duration(value, unknown=None)
+
+    @field_validator("total_s", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Any:
+        return _clamped_duration(value, unknown=0.0)
+
+    @field_validator("time")
+    @classmethod
+    def _not_in_the_future(cls, value: float, info: ValidationInfo) -> float:
+        context = info.context if isinstance(info.context, dict) else {}
+        now = context.get("now")
+        latest = (now if isinstance(now, int | float) else _time.time()) + LATEST_AHEAD_S
+        if value > latest:
+            raise ValueError(f"more than {LATEST_AHEAD_S:.0f} s ahead of the reader's clock")
+        return value
 
 
 class QueryRequest(_Contract):
