@@ -130,15 +130,39 @@ class BudgetLedger:
                     self.metrics.events.inc()
 
     async def run(self) -> None:
-        """Reconcile every ``reactivate_every_s`` until :meth:`stop`."""
-        while not self._stopping.is_set():
-            try:
-                async with self._one_at_a_time:
-                    await self.reconcile()
-            except Exception as exc:  # NATS away: the next round tries again
-                log.warning("reconcile failed: %s: %s", type(exc).__name__, exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), self.reactivate_every_s)
+        """Reconcile every ``reactivate_every_s`` until :meth:`stop`.
+
+        Meanwhile the key counts of ``metrics`` follow a watch of the keys
+        bucket (a ``/metrics`` scrape reads nothing from NATS).
+        """
+        follow = self._follow_keys()
+        try:
+            while not self._stopping.is_set():
+                try:
+                    async with self._one_at_a_time:
+                        await self.reconcile()
+                except Exception as exc:  # NATS away: the next round tries again
+                    log.warning("reconcile failed: %s: %s", type(exc).__name__, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), self.reactivate_every_s)
+        finally:
+            if follow is not None:
+                follow.cancel()
+                await asyncio.gather(follow, return_exceptions=True)
+
+    def _follow_keys(self) -> asyncio.Task[None] | None:
+        """Keep ``metrics``' key counts from a watch of the (opened) store's keys bucket."""
+        kv = getattr(self.store, "keys", None)
+        if self.metrics is None or kv is None:
+            return None
+        nc = getattr(self.js, "_nc", None)  # the connection: a new watch after a reconnect
+
+        def reconnects() -> int:
+            return int(nc.stats["reconnects"]) if nc is not None else 0
+
+        return asyncio.create_task(
+            self.metrics.key_counts.follow(kv, reconnects), name="auth-key-counts"
+        )
 
     async def count(self, event: UsageEvent, seq: int) -> None:
         if event.key_id is None:
