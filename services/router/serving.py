@@ -23,7 +23,7 @@ from services.router.errors import (
     WorkerLost,
 )
 from services.router.lifecycle import KEEPALIVE, CallLife, Ending, Keepalive
-from services.router.limits import Limiter
+from services.router.limits import Limiter, worst_case_tokens
 from services.router.metrics import RouterMetrics
 from services.router.protocol import ChatCompletionBody, CompletionBody
 from services.router.settings import RouterSettings
@@ -144,7 +144,10 @@ class OpenAIServing:
         """Reserve the key's limits, then put the request in the model's queue."""
         reservation = None
         if principal is not None and self.limiter is not None and principal.record.limited:
-            reservation = await self.limiter.reserve(principal.record, worst_case_tokens(prepared))
+            reservation = await self.limiter.reserve(
+                principal.record,
+                worst_case_tokens(prepared.endpoint, prepared.body, prepared.entry.max_model_len),
+            )
         try:
             call = await self._dispatch(prepared, request_id, principal)
         except BaseException as exc:
@@ -379,19 +382,3 @@ def _since(start: float, end: float | None) -> float | None:
     # Every timestamp of a call comes from time.monotonic(): the event loop's
     # clock (uvloop's is cached, in milliseconds) would make these negative.
     return None if end is None else end - start
-
-
-def worst_case_tokens(prepared: Prepared) -> int:
-    """An upper bound of the tokens a request can use, to reserve before dispatch.
-
-    A byte-level tokenizer never makes more tokens than the prompt has bytes;
-    the chat template adds a bounded overhead. The completion is bounded by its
-    limit (or the context), times ``n``.
-    """
-    body = prepared.body
-    prompt = body.get("messages") if prepared.endpoint is Endpoint.CHAT else body.get("prompt")
-    context = prepared.entry.max_model_len
-    prompt_bound = min(context, len(orjson.dumps(prompt)) + 64)
-    limit = body.get("max_completion_tokens") or body.get("max_tokens") or context
-    n = body.get("n") or 1
-    return prompt_bound + n * min(int(limit), context)

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import pytest
 
 from services.router.limits import prompts_of, worst_case_tokens
 from tests.router.test_key_mirror import OpenKeys, signing_keys, wait_status
@@ -60,11 +59,6 @@ async def _answer_every_prompt(reply: Reply) -> None:
     await reply.end(Outcome.COMPLETED, usage, "length")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs OpenAIServing.submit to reserve limits.worst_case_tokens "
-    "(services/router/serving.py still counts one prompt)",
-)
 async def test_batched_requests_cannot_overshoot_a_budget_sized_for_ten(
     open_router: OpenRouter, open_keys: OpenKeys, tmp_path: Path
 ) -> None:
