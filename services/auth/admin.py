@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
-from tollgate.keys.records import KeyRecord, SigningKey
+from tollgate.keys.records import KeyRecord, KeyState, SigningKey
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import SigningKeySet
 
 
 class NotFoundError(Exception):
     pass
+
+
+class KeyRevokedError(Exception):
+    """A change to a revoked key: revoked is final (the admin API answers 409)."""
 
 
 class KeyAdmin:
@@ -42,6 +46,8 @@ class KeyAdmin:
         updated = await self.store.update(key_id, lambda _: fields)
         if updated is None:
             raise NotFoundError(key_id)
+        if updated.state is KeyState.REVOKED:  # the store refused: nothing was written
+            raise KeyRevokedError(key_id)
         return updated
 
     async def revoke(self, key_id: str) -> KeyRecord:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 from collections import Counter
@@ -15,11 +16,11 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel, ValidationError
 
-from services.auth.admin import KeyAdmin, NotFoundError
+from services.auth.admin import KeyAdmin, KeyRevokedError, NotFoundError
 from services.auth.ledger import BudgetLedger
 from services.auth.metrics import AuthMetrics
 from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
-from services.auth.settings import AuthSettings
+from services.auth.settings import AuthSettings, load_admin_token
 from tollgate.keys.records import KeyState
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import SigningKeySet, auth_dir
@@ -51,17 +52,39 @@ def _json(value: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(value), content_type="application/json")
 
 
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+def admin_authorized(header: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header is exactly ``Bearer <token>``.
+
+    No other scheme, no bare token, no padding. The comparison is constant-time
+    and over digests, so neither the content nor the length of the token leaks.
+    """
+    if header is None or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(_digest(header[len("Bearer ") :]), _digest(token))
+
+
 @web.middleware
 async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Admin credential (constant-time compare) and OpenAI-shaped errors."""
+    """Admin credential (``Authorization: Bearer <token>``) and OpenAI-shaped errors."""
     if request.path.startswith("/admin/"):
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), request.app[ADMIN_TOKEN].encode()):
-            return _error(401, "A valid admin credential is required.", "invalid_admin_key")
+        if not admin_authorized(request.headers.get("Authorization"), request.app[ADMIN_TOKEN]):
+            response = _error(
+                401,
+                "A valid admin credential is required (Authorization: Bearer <admin token>).",
+                "invalid_admin_key",
+            )
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
     try:
         return await handler(request)
     except NotFoundError:
         return _error(404, "No such key.", "not_found")
+    except KeyRevokedError:
+        return _error(409, "This key is revoked; a revoked key cannot be changed.", "key_revoked")
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -132,12 +155,9 @@ async def count_keys(app: web.Application) -> None:
 
 
 def create_app(settings: AuthSettings, common: CommonSettings) -> web.Application:
+    """The auth app; a missing, short or placeholder admin token is a :class:`SettingError`."""
     folder = auth_dir(common.var_dir)
-    token = (
-        settings.admin_token.get_secret_value()
-        if settings.admin_token is not None
-        else (folder / "admin-token").read_text().strip()
-    )
+    token = load_admin_token(settings, folder)
     app = web.Application(middlewares=[guard])
     app[ADMIN_TOKEN] = token
     app[METRICS] = AuthMetrics()

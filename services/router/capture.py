@@ -7,12 +7,22 @@ stores them in ClickHouse's ``exchanges`` table. A streamed answer is
 reassembled from its chunks into the text and one JSON body shaped like the
 non-streamed response. Bodies are cut at ``capture_max_bytes``. Capture never
 delays or fails a call: a lost capture is counted and logged, nothing more.
+
+Replays (``tollgate replay``) are not captured again, but only a replay
+identity may say so: a call is left out of capture when its key record has
+``replay = true`` (set by the operator when the key is created, ``tollgate
+keys create --replay``; no update changes it) *and* the call carries
+``X-Tollgate-Replay``. From any other key, or on a router without auth, the
+header is ignored and the call is captured as its key and tenant say. The
+flag lives in the key record, so it is signed off by whoever may write the
+whitelist, travels to every router with the record, and dies with the key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -24,6 +34,13 @@ from tollgate.wire.contracts import CaptureEvent, Endpoint, UsageEvent
 from tollgate.wire.subjects import Subjects
 
 log = logging.getLogger("tollgate.router.capture")
+
+REPLAY_HEADER = "X-Tollgate-Replay"
+
+
+def replay_exempt(record: KeyRecord | None, headers: Mapping[str, str]) -> bool:
+    """Whether a call is a replay that is not captured again: a replay key's, marked so."""
+    return record is not None and record.replay and REPLAY_HEADER in headers
 
 
 def reassemble(endpoint: Endpoint, streamed: bool, pieces: list[str]) -> tuple[str, dict[str, Any]]:

@@ -23,6 +23,7 @@ from services.router.appkeys import (
     STARTED_AT,
 )
 from services.router.auth import Principal
+from services.router.capture import replay_exempt
 from services.router.dispatch import Call
 from services.router.errors import (
     InvalidRequest,
@@ -43,7 +44,6 @@ from tollgate.wire.contracts import ChunkKind, Endpoint
 
 log = logging.getLogger("tollgate.router")
 
-REPLAY_HEADER = "X-Tollgate-Replay"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
 _DONE_TEXT = "data: [DONE]"
@@ -120,8 +120,8 @@ async def _serve_call(
         if span is not None:
             span.set_attribute("gen_ai.request.model", prepared.entry.id)
             span.set_attribute("tollgate.tenant", principal.tenant if principal else "anonymous")
-        # a replayed request (tollgate replay) is not captured again
-        replayed = REPLAY_HEADER in request.headers
+        # a replayed request (tollgate replay) is not captured again: only a replay key's
+        replayed = replay_exempt(principal.record if principal else None, request.headers)
         call = await serving.submit(prepared, request_id, principal, capture=not replayed)
     except TollgateError as exc:
         if span is not None:

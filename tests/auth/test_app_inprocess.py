@@ -24,7 +24,7 @@ from tollgate.keys.store import KeyStore
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Role, Topology
 
-ADMIN_TOKEN = "tga-in-process-test"
+ADMIN_TOKEN = "tga-in-process-test-0123456789abcdefghijklmn"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
@@ -55,10 +55,25 @@ async def store(nats_server: NatsServer, subjects: Subjects) -> AsyncIterator[Ke
 
 
 async def test_the_admin_api_needs_the_admin_token(client: TestClient) -> None:  # type: ignore[type-arg]
-    for headers in ({}, {"Authorization": "Bearer tga-wrong"}, {"X-Admin": ADMIN_TOKEN}):
+    refused = (
+        {},
+        {"Authorization": ""},
+        {"Authorization": "Bearer tga-wrong"},
+        {"Authorization": "Bearer "},
+        {"Authorization": ADMIN_TOKEN},  # no scheme
+        {"Authorization": f"Basic {ADMIN_TOKEN}"},
+        {"Authorization": f"Token {ADMIN_TOKEN}"},
+        {"Authorization": f"bearer {ADMIN_TOKEN}"},
+        {"Authorization": f"Bearer  {ADMIN_TOKEN}"},
+        {"Authorization": f"Bearer {ADMIN_TOKEN}x"},
+        {"X-Admin": ADMIN_TOKEN},
+    )
+    for headers in refused:
         r = await client.get("/admin/keys", headers=headers)
-        assert r.status == 401
-        assert (await r.json())["error"]["code"] == "invalid_admin_key"
+        assert r.status == 401, headers
+        error = (await r.json())["error"]
+        assert error["code"] == "invalid_admin_key" and error["type"] == "invalid_request_error"
+        assert error["message"] and r.headers["WWW-Authenticate"] == "Bearer"
     r = await client.post("/admin/keys", json={"tenant": "acme"})
     assert r.status == 401
     assert (await client.get("/admin/keys", headers=ADMIN)).status == 200
@@ -99,6 +114,25 @@ async def test_a_key_is_created_listed_updated_and_revoked(
         AuditEvent.model_validate_json(m.data) for m in await read_subject(store.js, subjects.audit)
     ]
     assert [e.action for e in trail if e.key_id == key_id] == ["create", "update", "revoke"]
+
+
+async def test_a_patch_on_a_revoked_key_is_a_409(
+    client: TestClient,  # type: ignore[type-arg]
+    store: KeyStore,
+) -> None:
+    r = await client.post("/admin/keys", json={"tenant": "acme"}, headers=ADMIN)
+    key_id = (await r.json())["record"]["key_id"]
+    assert (await client.delete(f"/admin/keys/{key_id}", headers=ADMIN)).status == 200
+    r = await client.patch(f"/admin/keys/{key_id}", json={"name": "back"}, headers=ADMIN)
+    assert r.status == 409
+    error = (await r.json())["error"]
+    assert error["code"] == "key_revoked" and error["type"] == "invalid_request_error"
+    assert "revoked" in error["message"]
+    stored = await store.get(key_id)
+    assert stored is not None and stored.state is KeyState.REVOKED and stored.name == ""
+    # revoking again answers with the revoked record
+    r = await client.delete(f"/admin/keys/{key_id}", headers=ADMIN)
+    assert r.status == 200 and (await r.json())["state"] == "revoked"
 
 
 async def test_an_unknown_key_is_a_404(client: TestClient) -> None:  # type: ignore[type-arg]

@@ -98,6 +98,7 @@ def _limits(ns: argparse.Namespace) -> dict[str, Any]:
 async def _keys_async(ns: argparse.Namespace) -> int:
     import time
 
+    from tollgate.keys.records import KeyState
     from tollgate.keys.store import KeyStore
     from tollgate.keys.tokens import SigningKeySet, auth_dir
     from tollgate.wire import bus
@@ -114,6 +115,8 @@ async def _keys_async(ns: argparse.Namespace) -> int:
                 print("error: no signing key here; start `tollgate up` first", file=sys.stderr)
                 return 1
             limits = _limits(ns)
+            if ns.replay:  # a replay identity: its X-Tollgate-Replay calls are not captured
+                limits["replay"] = True
             token, record = await store.create(signing, tenant=ns.tenant, ttl_s=ns.ttl, **limits)
             print(f"key id: {record.key_id}\ntenant: {record.tenant}")
             print(f"API key (shown once, store it now):\n{token}")
@@ -140,6 +143,12 @@ async def _keys_async(ns: argparse.Namespace) -> int:
             changed = await store.update(ns.key_id, lambda _: update)
         if changed is None:
             print(f"error: no key {ns.key_id!r}", file=sys.stderr)
+            return 1
+        if ns.action != "revoke" and changed.state is KeyState.REVOKED:
+            print(
+                f"error: key {ns.key_id!r} is revoked; a revoked key cannot be changed",
+                file=sys.stderr,
+            )
             return 1
         print(f"{'revoked' if ns.action == 'revoke' else 'updated'} {ns.key_id}")
         return 0
@@ -315,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     create = key_actions.add_parser("create", help="issue a key; the token is shown once")
     create.add_argument("--tenant", required=True)
     create.add_argument("--ttl", type=parse_ttl, default=None, help="30d, 12h, ... or never")
+    create.add_argument(
+        "--replay",
+        action="store_true",
+        help="a replay identity for `tollgate replay`: its replayed calls are not captured again",
+    )
     update = key_actions.add_parser("update", help="change a key's models, limits or expiry")
     update.add_argument("key_id")
     update.add_argument("--ttl", type=parse_ttl, default=False, help="30d, 12h, ... or never")

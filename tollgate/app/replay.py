@@ -7,24 +7,42 @@ answer is compared with the captured one: length, finish reason, latency,
 exact match, and a repetition score. The comparison goes to a report
 (Markdown, with a JSON file of every pair beside it) and back to ClickHouse
 (``replays`` table, through ``tg.replay.<model>``).
+
+Replayed calls are sent with ``X-Tollgate-Replay`` so that they are not
+captured again, and the router honours that header only from a *replay
+identity*: a key whose record has ``replay = true``, which only the operator
+sets, when the key is created (``tollgate keys create --replay``). Any other
+client sending the header is captured as usual. ``tollgate replay`` calls with
+the key it is given when that is a replay key. Otherwise it issues a replay key
+of its own for the run (the given key's tenant, so the spend lands where it
+did; only the target model; a few hours at most) with the signing keys in
+``<var>/auth``, and revokes it when the run ends; without those signing keys it
+stops and asks for a replay key.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jwt
 import orjson
 from nats.aio.client import Client as NATS
 
 from tollgate.analytics import run_query
+from tollgate.keys.records import KeyRecord
+from tollgate.keys.store import KeyStore
+from tollgate.keys.tokens import SigningKeySet, auth_dir, new_key, strip_prefix
+from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import codec
 from tollgate.wire.contracts import ReplayResult
 from tollgate.wire.subjects import Subjects
@@ -40,6 +58,9 @@ LIMIT {limit}
 """
 
 _PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}
+REPLAY_HEADER = "X-Tollgate-Replay"
+# How long a replay key issued for one run lives at most (it is revoked at the end).
+REPLAY_KEY_TTL_S = 6 * 3600
 
 
 class ReplayError(Exception):
@@ -202,6 +223,79 @@ def _answer(endpoint: str, data: dict[str, Any]) -> tuple[str, str | None, int]:
     return text, choice.get("finish_reason"), tokens
 
 
+def _key_id(token: str) -> str | None:
+    try:
+        claims = jwt.decode(strip_prefix(token), options={"verify_signature": False})
+    except jwt.InvalidTokenError:
+        return None
+    jti = claims.get("jti")
+    return str(jti) if jti else None
+
+
+async def _wait_accepted(base_url: str, token: str, timeout: float = 30) -> None:
+    """Until the router knows a new key (its whitelist follows the KV bucket)."""
+    url = f"{base_url.rstrip('/')}/v1/models"
+    headers = {"Authorization": f"Bearer {token}"}
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(url, headers=headers) as resp:
+                    if resp.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise ReplayError("the router did not accept the replay key in time")
+            await asyncio.sleep(0.1)
+
+
+@contextlib.asynccontextmanager
+async def replay_identity(
+    store: KeyStore,
+    api_key: str,
+    model: str,
+    *,
+    base_url: str,
+    signing_keys: Path | None = None,
+    name: str = "tollgate replay",
+) -> AsyncIterator[str]:
+    """The key to replay with: ``api_key`` if it is a replay key, else one issued for the run.
+
+    The issued key has the given key's tenant, only ``model`` and the replay
+    flag; it is revoked when the block ends. Raises :class:`ReplayError` when
+    the given key is not whitelisted, not usable, or not a replay key and no
+    signing key is at hand to issue one.
+    """
+    key_id = _key_id(api_key)
+    record: KeyRecord | None = await store.get(key_id) if key_id else None
+    if record is None or not record.usable(time.time()):
+        raise ReplayError("the API key is not a whitelisted, active key")
+    if record.replay:
+        yield api_key
+        return
+    path = signing_keys or auth_dir(CommonSettings().var_dir) / "signing-keys.json"
+    signing = SigningKeySet(path)
+    if signing.current is None:
+        raise ReplayError(
+            "the API key is not a replay key and there is no signing key here to issue one: "
+            f"create one with `tollgate keys create --tenant {record.tenant} --replay` "
+            "and pass it with --api-key"
+        )
+    token, issued = new_key(
+        signing,
+        tenant=record.tenant,
+        name=name,
+        models=[model],
+        ttl_s=REPLAY_KEY_TTL_S,
+        replay=True,
+    )
+    await store.put(issued, "create")
+    try:
+        await _wait_accepted(base_url, token)
+        yield token
+    finally:
+        await store.revoke(issued.key_id)
+
+
 async def replay(
     nc: NATS,
     subjects: Subjects,
@@ -212,7 +306,14 @@ async def replay(
     model: str,
     limit: int = 20,
     concurrency: int = 4,
+    signing_keys: Path | None = None,
 ) -> Report:
+    """Replay the captured requests matching ``where`` on ``model``, as a replay identity.
+
+    ``api_key`` is used when it is a replay key; otherwise a replay key is
+    issued for the run with ``signing_keys`` (default ``<var>/auth``), see
+    :func:`replay_identity`.
+    """
     sql = SELECT_SQL.format(where=where, limit=int(limit))
     found = await run_query(nc, subjects, sql, max_rows=limit)
     if found.error is not None:
@@ -221,9 +322,8 @@ async def replay(
     js = nc.jetstream()
     topology = Topology(subjects)
     await topology.ensure_stream(js, topology.replay)
+    store = await KeyStore(js, topology, actor="tollgate replay").open()
     gate = asyncio.Semaphore(concurrency)
-    # the router does not capture replayed requests again
-    headers = {"Authorization": f"Bearer {api_key}", "X-Tollgate-Replay": "1"}
 
     async def one(row: list[Any], http: aiohttp.ClientSession) -> None:
         (
@@ -277,7 +377,17 @@ async def replay(
         )
 
     timeout = aiohttp.ClientTimeout(total=900)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as http:
-        await asyncio.gather(*(one(row, http) for row in found.rows))
+    async with replay_identity(
+        store,
+        api_key,
+        model,
+        base_url=base_url,
+        signing_keys=signing_keys,
+        name=f"replay {report.replay_id}",
+    ) as token:
+        # a replay key's calls marked so are not captured again
+        headers = {"Authorization": f"Bearer {token}", REPLAY_HEADER: "1"}
+        async with aiohttp.ClientSession(headers=headers, timeout=timeout) as http:
+            await asyncio.gather(*(one(row, http) for row in found.rows))
     report.pairs.sort(key=lambda p: p.result.request_id)
     return report

@@ -3,7 +3,8 @@
 A key is a JWT (key id ``jti``, tenant ``sub``, ``iat``, optional ``exp``)
 signed with one of Tollgate's signing keys (``kid`` in its header). The
 whitelist maps key id -> :class:`KeyRecord`; the token itself is never stored,
-and a key is revoked by changing its record.
+and a key is revoked by changing its record. Revoked is final: no writer turns
+a revoked record into anything else (see :meth:`KeyStore.update`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,14 @@ class KeyRecord(BaseModel):
     capture: bool = Field(
         default=False, description="Keep this key's requests and responses for analysis."
     )
-    state: KeyState = Field(default=KeyState.ACTIVE, description="Lifecycle state.")
+    replay: bool = Field(
+        default=False,
+        description="A replay identity (tollgate replay): its calls marked X-Tollgate-Replay "
+        "are not captured again. Set by the operator when the key is created.",
+    )
+    state: KeyState = Field(
+        default=KeyState.ACTIVE, description="Lifecycle state; revoked is final."
+    )
     created_at: float = Field(default_factory=time.time, description="Unix creation time.")
     updated_at: float = Field(default_factory=time.time, description="Unix time of last change.")
 

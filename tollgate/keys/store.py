@@ -16,6 +16,10 @@ from tollgate.keys.tokens import SigningKeySet, auth_dir, new_key, strip_prefix,
 from tollgate.wire.topology import Role, Topology
 
 
+class KeyExistsError(Exception):
+    """A new record's key id is already in the whitelist (records are never overwritten)."""
+
+
 class KeyStore:
     """The whitelist and the public signing keys in JetStream KV: the one writer API.
 
@@ -23,6 +27,12 @@ class KeyStore:
     command all change key records through these methods. Every change is a
     revision-checked write (a concurrent change makes it read again and
     re-apply, never overwrite) and goes to the audit stream.
+
+    Revoked is final, for every writer: :meth:`update` never writes over a
+    revoked record, whatever its ``change`` returns, and :meth:`put` only
+    creates. Because each write names the revision it read, a change racing a
+    revocation either lands before it (and the revocation is written over it)
+    or reads the revoked record again and is refused.
     """
 
     def __init__(
@@ -65,8 +75,15 @@ class KeyStore:
         return token, record
 
     async def put(self, record: KeyRecord, action: str = "create") -> None:
-        """Write a record as it is (a new key); changes go through :meth:`update`."""
-        await self.keys.put(record.key_id, record.model_dump_json().encode())
+        """Write a new key's record as it is; changes go through :meth:`update`.
+
+        Raises :class:`KeyExistsError` when the key id is taken: an existing
+        record (a revoked one above all) is never overwritten here.
+        """
+        try:
+            await self.keys.create(record.key_id, record.model_dump_json().encode())
+        except KeyWrongLastSequenceError:
+            raise KeyExistsError(record.key_id) from None
         await self.audit(action, key_id=record.key_id, record=record.model_dump(mode="json"))
 
     async def _entry(self, key_id: str) -> tuple[KeyRecord, int] | None:
@@ -102,12 +119,19 @@ class KeyStore:
         is (then nothing is written). On a concurrent write the record is read
         again and ``change`` applied to the newer one. Returns the record after
         the change, or None when there is no such key.
+
+        A revoked record is final: ``change`` is not called, nothing is
+        written, and the revoked record is returned as it is. A caller tells
+        the refusal by the returned ``state`` (``revoked``, where its change
+        was not a revocation); :meth:`revoke` of a revoked key is a no-op.
         """
         while True:
             found = await self._entry(key_id)
             if found is None:
                 return None
             record, revision = found
+            if record.state is KeyState.REVOKED:
+                return record
             fields = change(record)
             if fields is None:
                 return record
