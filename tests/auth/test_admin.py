@@ -184,9 +184,16 @@ def test_metrics_count_keys_by_state(admin: httpx.Client) -> None:
     before = keys_by_state()
     made = [admin.post("/admin/keys", json={"tenant": "metrics"}).json() for _ in range(3)]
     admin.delete(f"/admin/keys/{made[0]['record']['key_id']}")
-    after = keys_by_state()
-    assert after["active"] - before["active"] == 2
-    assert after["revoked"] - before["revoked"] == 1
+    # the counts follow a watch of the bucket: they arrive a moment after the writes
+    deadline = time.monotonic() + 10
+    while True:
+        after = keys_by_state()
+        if after.get("active", 0) - before.get("active", 0) == 2 and (
+            after.get("revoked", 0) - before.get("revoked", 0) == 1
+        ):
+            break
+        assert time.monotonic() < deadline, (before, after)
+        time.sleep(0.05)
     assert set(after) == {"active", "over_budget", "revoked"}
     # Scraped without the admin credential, as Prometheus does.
     assert httpx.get(f"{str(admin.base_url).rstrip('/')}/metrics", timeout=5).status_code == 200
