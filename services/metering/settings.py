@@ -18,6 +18,14 @@ class MeteringSettings(BaseSettings):
             "http(s)://user:password@host:8123 for a ClickHouse server."
         ),
     )
+    query_dsn: SecretStr | None = Field(
+        default=None,
+        description=(
+            "With a ClickHouse server: http(s)://analyst:password@host:8123, the read-only "
+            "user analysts' queries (tollgate sql, tg.metering.query) run as; its profile "
+            "holds their limits. Ignored with the embedded engine."
+        ),
+    )
     database: str = Field(default="tollgate", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     batch_max_rows: int = Field(default=5000, ge=1, description="Insert at most this many rows.")
     batch_max_wait_s: float = Field(

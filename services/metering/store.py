@@ -22,6 +22,7 @@ import orjson
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 
+from services.metering.sqlguard import RefusedQuery, vet
 from tollgate.models.catalog import Catalog
 from tollgate.wire.contracts import QueryResult
 
@@ -121,11 +122,21 @@ def _json_value(value: Any) -> Any:
 class UsageStore:
     """The metering service's ClickHouse connection (the only writer)."""
 
-    def __init__(self, dsn: str, database: str, query_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        database: str,
+        query_timeout_s: float = 30.0,
+        query_dsn: str | None = None,
+    ) -> None:
         self.dsn = dsn
         self.database = database
         self.query_timeout_s = query_timeout_s
         self.embedded = dsn.startswith("chdb:")
+        # On a server, analysts' statements run as a user whose profile
+        # (readonly = 1, its own limits, SELECT on the database only) the
+        # server enforces; see deploy/clickhouse/users.d/tollgate.xml.
+        self.query_dsn = None if self.embedded else query_dsn
         self._writer: Client | None = None
         self._reader: Client | None = None
 
@@ -143,7 +154,7 @@ class UsageStore:
             admin.close()
         self._writer = _client(self.dsn, self.database)
         try:
-            self._reader = _client(self.dsn, self.database)
+            self._reader = _client(self.query_dsn or self.dsn, self.database)
         except Exception:
             self._writer.close()
             raise
@@ -153,6 +164,11 @@ class UsageStore:
             # read-only once, for good. (`readonly = 2` still lets a query set
             # its own limits, never `readonly` itself.)
             self._reader.command("SET readonly = 2")
+        elif self.query_dsn is None:
+            log.warning(
+                "no query DSN (TOLLGATE_METERING_QUERY_DSN): analysts' queries run on the "
+                "writer's user with readonly = 2; give them the read-only analyst user"
+            )
         return self
 
     @property
@@ -374,18 +390,36 @@ class UsageStore:
     # -- reads -------------------------------------------------------------
 
     def query(self, sql: str, parameters: dict[str, Any], max_rows: int) -> QueryResult:
-        """Run one statement read-only, as ClickHouse enforces it (``readonly``)."""
-        if self._reader is None:
+        """Run one analyst's SELECT on Tollgate's tables, within limits ClickHouse enforces.
+
+        The statement is vetted first from ClickHouse's own parse of it
+        (:mod:`services.metering.sqlguard`); a refusal or a ClickHouse error
+        comes back as the result's ``error``.
+        """
+        reader = self._reader
+        if reader is None:
             raise RuntimeError("store is not open")
-        settings: dict[str, Any] = {
-            "max_result_rows": max_rows + 1,
-            "result_overflow_mode": "break",
-            "max_execution_time": self.query_timeout_s,
-        }
-        if not self.embedded:
-            settings["readonly"] = 2
+        settings: dict[str, Any] = {}
+        if self.query_dsn is None:
+            # The analyst user's profile holds its own limits (readonly = 1
+            # refuses any setting sent with a query); elsewhere the service sets them.
+            settings = {
+                "max_result_rows": max_rows + 1,
+                "result_overflow_mode": "break",
+                "max_execution_time": self.query_timeout_s,
+            }
+            if not self.embedded:
+                settings["readonly"] = 2
+
+        def explain(statement: str, values: dict[str, Any]) -> str:
+            raw = reader.raw_query(statement, parameters=values, settings=settings)
+            return raw.decode(errors="replace")
+
         try:
-            result = self._reader.query(sql, parameters=parameters, settings=settings)
+            vet(sql, parameters, self.database, explain)
+            result = reader.query(sql, parameters=parameters, settings=settings)
+        except RefusedQuery as exc:
+            return QueryResult(error=str(exc))
         except (DatabaseError, OperationalError) as exc:
             return QueryResult(error=_clickhouse_message(exc))
         rows = [[_json_value(v) for v in row] for row in result.result_rows]

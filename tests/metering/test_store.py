@@ -151,7 +151,7 @@ def test_existing_ids_finds_stored_requests(store: UsageStore) -> None:
     assert found == {f"req-{i}" for i in range(30)}
 
 
-def test_queries_are_read_only_by_clickhouse_settings(store: UsageStore) -> None:
+def test_queries_are_read_only(store: UsageStore) -> None:
     store.insert([event(i) for i in range(20)])
     refused = [
         "INSERT INTO usage_events (request_id, tenant) VALUES ('x', 'x')",
@@ -162,7 +162,8 @@ def test_queries_are_read_only_by_clickhouse_settings(store: UsageStore) -> None
     ]
     for sql in refused:
         result = store.query(sql, {}, max_rows=10)
-        assert result.error is not None and "readonly" in result.error.lower(), (sql, result)
+        assert result.error is not None, sql
+        assert any(w in result.error for w in ("single SELECT", "readonly")), (sql, result)
     assert scalar(store, "SELECT count() FROM usage_events") == 20
     # The writer is untouched by the reader's read-only mode.
     store.insert([event(100)])
