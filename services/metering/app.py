@@ -33,8 +33,12 @@ INGEST = web.AppKey("ingest", UsageIngest)
 
 
 def open_store(settings: MeteringSettings, common: CommonSettings) -> UsageStore:
+    query_dsn = settings.query_dsn.get_secret_value() if settings.query_dsn else None
     return UsageStore(
-        settings.dsn(common.var_dir), settings.database, settings.query_timeout_s
+        settings.dsn(common.var_dir),
+        settings.database,
+        settings.query_timeout_s,
+        query_dsn=query_dsn,
     ).open()
 
 

@@ -155,7 +155,7 @@ def compose_secrets(svc: dict[str, Any]) -> set[str]:
 # .env variables holding secrets, and the services that may receive them
 COMPOSE_SECRET_VARS = {
     "CLICKHOUSE_PASSWORD": {"clickhouse", "metering"},
-    "CLICKHOUSE_ANALYST_PASSWORD": {"clickhouse"},
+    "CLICKHOUSE_ANALYST_PASSWORD": {"clickhouse", "metering"},  # analysts' SQL runs as that user
 }
 
 
