@@ -29,7 +29,7 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
-from services.router.app import create_app
+from services.router.app import DISPATCHER, create_app
 from services.router.appkeys import METRICS, SERVING
 from services.router.dispatch import Call
 from services.router.errors import (
@@ -514,27 +514,33 @@ async def test_the_deadline_cancels_once_and_bills_the_final_report(
 # -- OpenAIServing.events, fed by hand ---------------------------------------------
 
 
-async def _report_more_than_relayed(reply: Reply) -> None:
-    """Relay one piece; once cancelled, report the seven tokens the engine made."""
-    await reply.start()
-    await reply.send(
-        ChunkKind.DATA, data=STREAMED[0], usage=Usage(prompt_tokens=5, completion_tokens=1)
-    )
-    await reply.cancelled.wait()
-    await reply.end(Outcome.CANCELLED, Usage(prompt_tokens=5, completion_tokens=7))
-
-
 async def test_a_nats_outage_while_waiting_for_the_final_report_still_bills_it(
     open_router: OpenRouter, tmp_path: Path
 ) -> None:
     """The client hangs up and NATS goes away for longer than the router waits
     for the worker's final report: the wait starts again once NATS is back, so
     the row bills what the engine generated, not only what was relayed."""
+    back = asyncio.Event()
+
+    async def report_more_than_relayed(reply: Reply) -> None:
+        """Relay one piece; once NATS is back, report the seven tokens the engine made.
+
+        The report waits for both connections to be back: a core NATS message
+        sent while its receiver is still reconnecting is lost, which is not
+        what this test is about.
+        """
+        await reply.start()
+        await reply.send(
+            ChunkKind.DATA, data=STREAMED[0], usage=Usage(prompt_tokens=5, completion_tokens=1)
+        )
+        await back.wait()
+        await reply.end(Outcome.CANCELLED, Usage(prompt_tokens=5, completion_tokens=7))
+
     server = NatsServer(free_port(), tmp_path / "own-nats")
     server.start()
     try:
-        router = await open_router(server=server, late_usage_wait_s=0.3)
-        await router.worker(_report_more_than_relayed)
+        router = await open_router(server=server, late_usage_wait_s=0.5)
+        await router.worker(report_more_than_relayed)
         r = await router.post(stream=True)
         assert await r.content.readuntil(b"\n\n") == STREAMED[0].encode()
         r.close()
@@ -542,6 +548,14 @@ async def test_a_nats_outage_while_waiting_for_the_final_report_still_bills_it(
         # an outage that outlasts the router's wait for the report
         await asyncio.sleep(1.5)
         server.start()
+        connections = (router.app[DISPATCHER].nc, router.nc)
+        deadline = time.monotonic() + 10
+        while not all(nc.is_connected for nc in connections):
+            assert time.monotonic() < deadline, "no reconnect"
+            await asyncio.sleep(0.02)
+        for nc in connections:
+            await nc.flush()  # their subscriptions are back on the server
+        back.set()
         published = await router.close()
     finally:
         server.stop()
