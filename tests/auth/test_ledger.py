@@ -322,3 +322,16 @@ async def test_an_invalid_usage_event_is_never_spend_on_nats(nats_server: NatsSe
         assert metrics.registry.get_sample_value("tollgate_auth_usage_events_invalid_total") == 3
     finally:
         await bus.close(nc)
+
+
+def test_the_pull_loop_survives_every_timeout_a_fetch_raises() -> None:
+    """A fetch whose window ran out raises asyncio's TimeoutError, not nats.py's:
+    the control plane's pull loop must treat both as an empty pull."""
+    from faststream.nats.subscriber.usecases import stream_pull_subscriber
+    from nats.errors import TimeoutError as NatsTimeoutError
+
+    import tollgate.wire.control  # noqa: F401 - the module that fixes the loop
+
+    caught = stream_pull_subscriber.TimeoutError
+    assert issubclass(asyncio.TimeoutError, caught)
+    assert issubclass(NatsTimeoutError, caught)

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from faststream.message import StreamMessage
 from faststream.nats import JStream, NatsBroker
+from faststream.nats.subscriber.usecases import stream_pull_subscriber
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel, ValidationError
 
@@ -31,6 +32,14 @@ from tollgate.wire import codec
 from tollgate.wire.topology import StreamSpec
 
 M = TypeVar("M", bound=BaseModel)
+
+# FastStream's pull loop catches nats.py's TimeoutError, but nats.py's fetch
+# also raises asyncio's own when a batch window runs out between two pulls.
+# That one escaped the loop: the task was restarted, and the messages of the
+# partial batch it held waited out the consumer's ack wait before they came
+# again (a budget ledger seconds behind). nats.py's TimeoutError derives from
+# the builtin one, so catching the builtin catches both.
+stream_pull_subscriber.TimeoutError = TimeoutError  # type: ignore[attr-defined,assignment]
 
 log = logging.getLogger("tollgate.control")
 
