@@ -10,15 +10,11 @@ services verify). Both are measured in the same alternating rounds
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
 from bench import procs as P
 from tollgate.app.busauth import Identities, make_certificates, server_config
-from tollgate.app.supervisor import nats_server_binary
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire.topology import Role
 
@@ -29,28 +25,8 @@ def start_closed_nats(procs: P.Procs, folder: Path) -> tuple[str, Identities, Pa
     tls = make_certificates(folder / "tls", ["127.0.0.1"])
     config = folder / "auth.conf"
     config.write_text(server_config([ids], tls))
-    port = P.free_port()
-    procs.spawn(
-        "nats-closed",
-        [
-            nats_server_binary(),
-            "-c",
-            str(config),
-            "-js",
-            "-sd",
-            str(folder / "store"),
-            "-a",
-            "127.0.0.1",
-            "-p",
-            str(port),
-        ],
-    )
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return f"tls://127.0.0.1:{port}", ids, tls.ca
-        time.sleep(0.05)
-    raise TimeoutError("nats-server did not start")
+    url = P.start_nats(procs, config=config, store=folder / "store", scheme="tls")
+    return url, ids, tls.ca
 
 
 def bench_bus(work: Path, env: dict[str, str], quick: bool, rounds: int) -> dict[str, Any]:

@@ -75,17 +75,21 @@ def wait_http(url: str, timeout: float = 600) -> None:
     raise TimeoutError(url)
 
 
-def start_nats(procs: Procs) -> str:
+def start_nats(
+    procs: Procs, config: Path | None = None, store: Path | None = None, scheme: str = "nats"
+) -> str:
+    """A nats-server with JetStream on a free port (``config``: its configuration file)."""
     port = free_port()
-    store = procs.workdir / "nats"
+    store = store or procs.workdir / "nats"
+    argv = [nats_server_binary(), *(["-c", str(config)] if config else [])]
     procs.spawn(
-        "nats",
-        [nats_server_binary(), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
+        f"nats-{port}",
+        [*argv, "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
     )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return f"nats://127.0.0.1:{port}"
+            return f"{scheme}://127.0.0.1:{port}"
         time.sleep(0.05)
     raise TimeoutError("nats-server did not start")
 

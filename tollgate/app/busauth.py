@@ -31,6 +31,7 @@ from pathlib import Path
 
 import nkeys
 
+from tollgate.keys.tokens import write_secret
 from tollgate.wire.permissions import grant
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Role, Topology
@@ -41,15 +42,6 @@ def private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)
     return path
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write a file only its owner can read (0600), atomically."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.replace(tmp, path)
 
 
 def new_seed() -> str:
@@ -83,7 +75,7 @@ class Identities:
         for role in roles:
             path = self.seed_file(role)
             if not path.exists():
-                write_private(path, new_seed() + "\n")
+                write_secret(path, new_seed() + "\n")
         return self
 
     def rotate(self, role: Role) -> None:
@@ -91,7 +83,7 @@ class Identities:
         current = self.seed_file(role)
         if current.exists():
             os.replace(current, self.seed_file(role, previous=True))
-        write_private(current, new_seed() + "\n")
+        write_secret(current, new_seed() + "\n")
 
     def retire(self, role: Role) -> bool:
         """Stop admitting ``role``'s previous seed; whether there was one."""
@@ -220,8 +212,8 @@ def make_certificates(folder: Path, hosts: Iterable[str], *, days: int = 825) ->
     files = TlsFiles(
         cert=folder / "server.pem", key=folder / "server-key.pem", ca=folder / "ca.pem"
     )
-    write_private(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM).decode())
-    write_private(files.cert, cert.public_bytes(serialization.Encoding.PEM).decode())
-    write_private(files.key, pem_key(key))
-    write_private(folder / "ca-key.pem", pem_key(ca_key))
+    write_secret(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM).decode())
+    write_secret(files.cert, cert.public_bytes(serialization.Encoding.PEM).decode())
+    write_secret(files.key, pem_key(key))
+    write_secret(folder / "ca-key.pem", pem_key(ca_key))
     return files

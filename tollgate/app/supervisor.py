@@ -33,9 +33,9 @@ from nats.aio.client import Client as NATS
 from pydantic import ValidationError
 
 from services.auth.settings import AuthSettings
-from tollgate.app.busauth import Identities, private_dir, server_config, write_private
+from tollgate.app.busauth import Identities, private_dir, server_config
 from tollgate.keys.store import bootstrap
-from tollgate.keys.tokens import SigningKeySet
+from tollgate.keys.tokens import SigningKeySet, write_secret
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus, codec
 from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
@@ -166,7 +166,7 @@ class Stack:
         """Every role's identity (made once) and the server's authorization (every start)."""
         ids = self.identities.ensure()
         path = self.var / "nats" / "auth.conf"
-        write_private(path, server_config([ids]))
+        write_secret(path, server_config([ids]))
         return path
 
     def _env(self, role: Role | None = None) -> dict[str, str]:

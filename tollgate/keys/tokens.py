@@ -102,12 +102,7 @@ class SigningKeySet:
             self.keys, self.current = data["keys"], data["current"]
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"keys": self.keys, "current": self.current}, fh)
-        os.replace(tmp, self.path)
+        write_secret(self.path, json.dumps({"keys": self.keys, "current": self.current}))
 
     def generate(self, alg: Algorithm = "EdDSA") -> SigningKey:
         """Add a new key and make it the one that signs."""
@@ -195,11 +190,17 @@ def strip_prefix(token: str) -> str:
 
 
 def write_secret(path: Path, text: str) -> None:
-    """Write a file only its owner can read (mode 0600)."""
+    """Write a file only its owner can read (mode 0600), whole or not at all.
+
+    The text is written to a temporary file beside it, then moved into place;
+    it ends with a newline.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
-        fh.write(text + "\n")
+        fh.write(text if text.endswith("\n") else text + "\n")
+    os.replace(tmp, path)
 
 
 def auth_dir(var_dir: Path) -> Path:
