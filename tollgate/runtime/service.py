@@ -4,10 +4,12 @@
 ``run_service`` a function that builds what to run from the common settings.
 That function returns one of:
 
-- an aiohttp application, served on ``host:port`` on uvloop. aiohttp's
-  ``run_app`` handles SIGTERM and SIGINT: it stops taking connections, waits
-  up to ``shutdown_timeout`` for the requests in flight, then runs the app's
-  cleanup contexts, which drain NATS;
+- an aiohttp application, served on ``host:port`` on uvloop by
+  :func:`tollgate.runtime.httpserver.serve` (aiohttp's server with
+  OpenAI-shaped protocol errors, read timeouts and a connection cap, as
+  ``http`` sets them). SIGTERM and SIGINT stop it as aiohttp's ``run_app``
+  does: it stops taking connections, waits up to ``shutdown_timeout`` for the
+  requests in flight, then runs the app's cleanup contexts, which drain NATS;
 - a coroutine, run on asyncio's own loop until it returns. It owns its
   signals: the worker stops taking work on SIGTERM, finishes what it holds
   and drains NATS itself;
@@ -29,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tollgate.runtime import tracing
+from tollgate.runtime import httpserver, tracing
 from tollgate.runtime.logs import setup_logging
 from tollgate.runtime.settings import CommonSettings, SettingError
 
@@ -51,12 +53,14 @@ def run_service(
     traced: bool = False,
     nice: int = 0,
     tls: ssl.SSLContext | Callable[[], ssl.SSLContext | None] | None = None,
+    http: httpserver.HttpLimits | None = None,
 ) -> int:
     """Load the common settings once, set up logging (and tracing), run, return the exit status.
 
     ``nice`` is CPU niceness added before running, for a background service
     that should leave the CPU to request serving. ``tls`` serves HTTPS (a
     context, or a function that builds one and may raise :class:`SettingError`).
+    ``http`` bounds the clients of an application (its defaults when not given).
     """
     common = CommonSettings()
     setup_logging(name, common.log_level)
@@ -75,13 +79,12 @@ def run_service(
             import uvloop
 
             asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-            web.run_app(
+            httpserver.serve(
                 target,
-                host=host,
-                port=port,
+                host,
+                port,
+                limits=http or httpserver.HttpLimits(),
                 ssl_context=tls() if callable(tls) else tls,
-                access_log=None,
-                print=None,
                 shutdown_timeout=shutdown_timeout,
             )
         else:
