@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         # on SIGTERM a request in flight gets its whole timeout before NATS is drained
         shutdown_timeout=settings.request_timeout_s,
         traced=True,
+        http=settings,
     )
 
 

@@ -55,9 +55,12 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return error_response(exc)
     except web.HTTPNotFound:
         return error_response(NotFound(f"Unknown path {request.path}."))
-    except web.HTTPMethodNotAllowed:
+    except web.HTTPMethodNotAllowed as exc:
         return error_response(
-            MethodNotAllowed(f"Method {request.method} is not allowed for {request.path}.")
+            MethodNotAllowed(
+                f"Method {request.method} is not allowed for {request.path}.",
+                headers={"Allow": ", ".join(sorted(exc.allowed_methods))},
+            )
         )
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -66,6 +69,10 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         error.status = exc.status
         error.type = "invalid_request_error" if exc.status < 500 else "server_error"
         return error_response(error)
+    except ConnectionResetError:
+        # the client went away mid-request (an aborted upload): an ending, not an error
+        log.info("client closed the request", extra={"status": 499, "path": request.path})
+        return web.Response(status=499)
     except Exception:
         log.exception("unhandled error", extra={"path": request.path})
         return error_response(InternalError("The server had an error processing your request."))

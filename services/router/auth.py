@@ -306,6 +306,8 @@ class KeyMirror:
                 "You didn't provide an API key. Provide it in the Authorization header "
                 "(Authorization: Bearer YOUR_KEY)."
             )
+        if not token.isascii():  # bytes that are not text (aiohttp keeps them as surrogates)
+            raise self._incorrect()
         try:
             claims = self.verifier.verify(strip_prefix(token))
         except InvalidToken:

@@ -66,6 +66,22 @@ class MethodNotAllowed(TollgateError):
     code = "method_not_allowed"
 
 
+class RequestTimeout(TollgateError):
+    """The request body did not arrive in time (a client trickling it)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class ClientClosedRequest(TollgateError):
+    """The client went away before its request was read: nobody reads the answer (499)."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_closed_request"
+
+
 class PayloadTooLarge(TollgateError):
     status = 413
     type = "invalid_request_error"

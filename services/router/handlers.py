@@ -26,9 +26,11 @@ from services.router.auth import Principal
 from services.router.capture import replay_exempt
 from services.router.dispatch import Call
 from services.router.errors import (
+    ClientClosedRequest,
     InvalidRequest,
     ModelNotFound,
     PayloadTooLarge,
+    RequestTimeout,
     ServiceUnavailable,
     TollgateError,
     UnsupportedMediaType,
@@ -39,6 +41,7 @@ from services.router.lifecycle import CallLife, ClientGone, Keepalive
 from services.router.limits import prompts_of
 from tollgate.models.catalog import ModelEntry
 from tollgate.runtime import tracing
+from tollgate.runtime.httpserver import BodyTimeout
 from tollgate.runtime.logs import request_id_var
 from tollgate.wire.contracts import ChunkKind, Endpoint
 
@@ -49,16 +52,34 @@ _DONE = b"data: [DONE]\n\n"
 _DONE_TEXT = "data: [DONE]"
 
 
+# Bodies aiohttp decodes itself, its decompressed size bounded by max_body_bytes
+# like any other body (request.read counts what it returns).
+_ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})
+
+
 async def _read_body(request: web.Request) -> bytes:
     if request.content_type != "application/json":
+        raise UnsupportedMediaType("Content-Type must be application/json.")
+    if request.headers.get("Content-Encoding", "").strip().lower() not in _ENCODINGS:
         raise UnsupportedMediaType(
-            f"Content-Type must be application/json, not {request.content_type or 'missing'!r}."
+            "Content-Encoding must be gzip, deflate or identity.",
+            code="unsupported_content_encoding",
         )
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[SETTINGS].max_body_bytes
         raise PayloadTooLarge(f"The request body is larger than {limit} bytes.") from None
+    except BodyTimeout as exc:
+        raise RequestTimeout(str(exc)) from None
+    except ConnectionResetError:
+        raise ClientClosedRequest("The client closed the connection mid-request.") from None
+    except web.RequestPayloadError:
+        raise InvalidRequest(
+            "The request body could not be read: it does not match its Content-Encoding, "
+            "or its framing is invalid.",
+            code="invalid_body",
+        ) from None
 
 
 def _headers(call: Call) -> dict[str, str]:
@@ -128,7 +149,8 @@ async def _serve_call(
             span.set_attribute("http.response.status_code", exc.status)
         if not isinstance(exc, ServiceUnavailable):  # an accepted request: counted when it ends
             request.app[METRICS].rejected.labels(exc.code or exc.type).inc()
-        log.info("request refused", extra={"status": exc.status, "code": exc.code or exc.type})
+        ending = "client closed the request" if exc.status == 499 else "request refused"
+        log.info(ending, extra={"status": exc.status, "code": exc.code or exc.type})
         return error_response(exc, request_id)
     life = serving.life(call, prepared)
     if prepared.stream:

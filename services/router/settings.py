@@ -6,8 +6,13 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tollgate.runtime.httpserver import HttpLimits
 
-class RouterSettings(BaseSettings):
+
+class RouterSettings(BaseSettings, HttpLimits):
+    """The router's settings; ``HttpLimits`` adds the client bounds (``header_timeout_s``,
+    ``body_timeout_s``, ``idle_timeout_s``, ``max_connections``)."""
+
     model_config = SettingsConfigDict(env_prefix="TOLLGATE_ROUTER_", extra="ignore")
 
     host: str = Field(default="127.0.0.1", description="Listen address.")
