@@ -15,7 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int)
     settings = AuthSettings(**cli_overrides(parser.parse_args(argv), "port"))
     return run_service(
-        "auth", lambda common: create_app(settings, common), host=settings.host, port=settings.port
+        "auth",
+        lambda common: create_app(settings, common),
+        host=settings.host,
+        port=settings.port,
+        http=settings,
     )
 
 

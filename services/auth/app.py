@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
 from services.auth.settings import AuthSettings, load_admin_token
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import SigningKeySet, auth_dir
+from tollgate.runtime.httpserver import BodyTimeout
 from tollgate.runtime.ops import add_ops_routes
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus
@@ -38,6 +40,10 @@ METRICS = web.AppKey("metrics", AuthMetrics)
 BUS = web.AppKey("bus", NATS)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class UnsupportedEncoding(Exception):
+    """A body in a Content-Encoding the admin API does not decode (415)."""
 
 
 def _error(status: int, message: str, code: str | None = None) -> web.Response:
@@ -60,8 +66,8 @@ def admin_authorized(header: str | None, token: str) -> bool:
     No other scheme, no bare token, no padding. The comparison is constant-time
     and over digests, so neither the content nor the length of the token leaks.
     """
-    if header is None or not header.startswith("Bearer "):
-        return False
+    if header is None or not header.isascii() or not header.startswith("Bearer "):
+        return False  # not text: bytes aiohttp kept as surrogates cannot be a token
     return hmac.compare_digest(_digest(header[len("Bearer ") :]), _digest(token))
 
 
@@ -81,6 +87,10 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except NotFoundError:
         return _error(404, "No such key.", "not_found")
+    except UnsupportedEncoding:
+        return _error(
+            415, "Content-Encoding must be gzip, deflate or identity.", "unsupported_media_type"
+        )
     except KeyRevokedError:
         return _error(409, "This key is revoked; a revoked key cannot be changed.", "key_revoked")
     except ValidationError as exc:
@@ -89,6 +99,25 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error(400, f"Invalid value for '{where}': {first['msg']}.", "invalid_request")
     except ValueError as exc:
         return _error(400, str(exc), "invalid_request")
+    except BodyTimeout as exc:
+        return _error(408, str(exc), "request_timeout")
+    except web.RequestPayloadError:
+        return _error(
+            400,
+            "The request body could not be read: it does not match its Content-Encoding, "
+            "or its framing is invalid.",
+            "invalid_body",
+        )
+    except ConnectionResetError:
+        # the client went away mid-request (an aborted upload): an ending, not an error
+        log.info("client closed the request", extra={"status": 499, "path": request.path})
+        return web.Response(status=499)
+    except web.HTTPMethodNotAllowed as exc:
+        response = _error(
+            405, f"Method {request.method} is not allowed here.", "method_not_allowed"
+        )
+        response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -98,7 +127,25 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error(500, "The auth service had an error.")
 
 
+# Ids as Tollgate makes them (hex key ids, kids such as k1700000000-a1b2c3): letters,
+# digits, - _ =, in dot-separated parts, at most 128 characters. An id of any other
+# shape cannot exist, and must not reach NATS: it is not a valid KV key (or subject).
+_ID = re.compile(r"[-_=A-Za-z0-9]+(?:\.[-_=A-Za-z0-9]+)*")
+_ID_MAX = 128
+_ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})
+
+
+def _path_id(request: web.Request, name: str) -> str:
+    """A key id or kid from the path; one that cannot exist is not found (404)."""
+    value = request.match_info[name]
+    if len(value) > _ID_MAX or not _ID.fullmatch(value):
+        raise NotFoundError(name)
+    return value
+
+
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:
+    if request.headers.get("Content-Encoding", "").strip().lower() not in _ENCODINGS:
+        raise UnsupportedEncoding
     try:
         data = orjson.loads(await request.read() or b"{}")
     except orjson.JSONDecodeError:
@@ -118,18 +165,18 @@ async def list_keys(request: web.Request) -> web.Response:
 
 
 async def show_key(request: web.Request) -> web.Response:
-    record = await request.app[ADMIN].get(request.match_info["key_id"])
+    record = await request.app[ADMIN].get(_path_id(request, "key_id"))
     return _json(record.model_dump(mode="json"))
 
 
 async def update_key(request: web.Request) -> web.Response:
     change = await _body(request, UpdateKey)
-    record = await request.app[ADMIN].update(request.match_info["key_id"], change)
+    record = await request.app[ADMIN].update(_path_id(request, "key_id"), change)
     return _json(record.model_dump(mode="json"))
 
 
 async def revoke_key(request: web.Request) -> web.Response:
-    record = await request.app[ADMIN].revoke(request.match_info["key_id"])
+    record = await request.app[ADMIN].revoke(_path_id(request, "key_id"))
     return _json(record.model_dump(mode="json"))
 
 
@@ -139,7 +186,7 @@ async def rotate_signing_key(request: web.Request) -> web.Response:
 
 
 async def retire_signing_key(request: web.Request) -> web.Response:
-    key = await request.app[ADMIN].retire(request.match_info["kid"])
+    key = await request.app[ADMIN].retire(_path_id(request, "kid"))
     return _json(key.model_dump(mode="json"))
 
 

@@ -6,6 +6,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tollgate.keys.records import Algorithm
+from tollgate.runtime.httpserver import HttpLimits
 from tollgate.runtime.settings import SettingError
 
 # An admin token shorter than this is refused: `tollgate up` generates 47 characters.
@@ -16,7 +17,9 @@ ADMIN_TOKEN_PLACEHOLDERS = frozenset({"tga-change-me", "tga-replace-me", "tga-..
 _PLACEHOLDER_WORDS = ("change-me", "changeme", "replace-me", "replaceme")
 
 
-class AuthSettings(BaseSettings):
+class AuthSettings(BaseSettings, HttpLimits):
+    """The auth service's settings; ``HttpLimits`` adds the admin API's client bounds."""
+
     model_config = SettingsConfigDict(env_prefix="TOLLGATE_AUTH_", extra="ignore")
 
     host: str = Field(default="127.0.0.1", description="Admin API listen address.")
