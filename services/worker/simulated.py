@@ -5,18 +5,47 @@ always produced, cancellation, slots) with configurable time to first token
 and tokens/s. Its text is deterministic and its token counts are real: the
 prompt is rendered with the model's chat template and counted by the model's
 tokenizer, and every output token is one tokenizer token.
+
+It answers every request body with the status and error ``type`` vLLM's
+OpenAI serving layer gives it (tests/corpus holds both engines to one corpus
+of bodies). vLLM refuses a body in one of three places, and so does this
+double:
+
+1. its request models (pydantic): 400 of type ``Bad Request``, the body that
+   vllm serve's validation handler writes;
+2. its serving layer, before anything is generated: 400 ``BadRequestError``;
+3. its engine, as it takes the request: 400 ``BadRequestError`` too, but a
+   stream has answered 200 by then and carries the error as its one event.
+
+It stands for ``vllm serve`` with its default options: no tool-call parser,
+no fill-in-the-middle rendering, a text-only model, ``--max-logprobs 20``, no
+sampling defaults from the model's generation config, and a chat template
+that takes each message's content as one string.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import orjson
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+)
 
 from services.worker.engine import (
     EngineResult,
@@ -37,11 +66,639 @@ _TEXT = (
     "and every token here is counted by the real tokenizer of the model it stands in for. "
 )
 
+# vLLM's limits with vllm serve's defaults.
+_MAX_LOGPROBS = 20  # --max-logprobs
+_MAX_N = 16384  # VLLM_MAX_N_SEQUENCES
+_MAX_STOP_STRINGS = 4  # VLLM_MAX_STOP_STRINGS
+_MAX_PROMPTS = 1024  # VLLM_MAX_COMPLETION_PROMPTS
+_COMPLETION_MAX_TOKENS = 16  # /v1/completions' max_tokens when none is given
+_GREEDY_BELOW = 1e-5  # a lower temperature samples greedily
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_CACHE_SALT_MAX, _CACHE_SALT_FORBIDDEN = 128, frozenset("@/\\\x00")
+# Content parts that are text (vLLM parses the others as media).
+_TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+# chat_template_kwargs a request may not set (the template and its call are ours).
+_RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
+_OWN_TEMPLATE_ARGS = frozenset(
+    {"conversation", "tools", "documents", "add_generation_prompt", "continue_final_message"}
+)
 
-def _error(message: str, status: int = 400, param: str | None = None) -> ErrorResult:
-    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+
+def _not_found(message: str) -> ErrorResult:
     # vLLM's serving layer puts the HTTP status in ``code``
-    return ErrorResult(error_json(message, kind, param, status).decode(), status)
+    return ErrorResult(error_json(message, "NotFoundError", None, 404).decode(), 404)
+
+
+class Refused(Exception):
+    """A body vLLM's serving layer refuses before generating: 400 ``BadRequestError``."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> str:
+        return error_json(self.message, "BadRequestError", self.param, 400).decode()
+
+    def result(self) -> ErrorResult:
+        return ErrorResult(self.body(), 400)
+
+
+class RefusedAtStart(Refused):
+    """Refused by vLLM's engine as it takes the request: a stream has sent its 200."""
+
+
+# -- the request models: the fields vLLM's protocol declares, with its types ----------
+
+
+class _Model(BaseModel):
+    # Unknown OpenAI fields are accepted and ignored, as vLLM does.
+    model_config = ConfigDict(extra="allow")
+
+
+_Int64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
+_TokenId = Annotated[int, Field(ge=0)]
+_Stop = str | Annotated[list[str], Field(max_length=_MAX_STOP_STRINGS)] | None
+
+
+def _none_is_zero(value: Any) -> Any:
+    return 0 if value is None else value
+
+
+# The roles of OpenAI's message types (vLLM's own type takes any role).
+_OPENAI_ROLES = frozenset({"system", "developer", "user", "tool", "assistant", "function"})
+_MISSING = object()
+
+
+def _is_tool_call(call: Any) -> bool:
+    if not isinstance(call, dict) or not isinstance(call.get("id"), str):
+        return False
+    kind = call.get("type")
+    body = call.get("function") if kind == "function" else call.get(str(kind))
+    if kind not in ("function", "custom") or not isinstance(body, dict):
+        return False
+    value = body.get("arguments" if kind == "function" else "input")
+    return isinstance(body.get("name"), str) and isinstance(value, str)
+
+
+def _tool_calls(calls: Any) -> bool:
+    return isinstance(calls, list) and all(_is_tool_call(call) for call in calls)
+
+
+def _is_openai_message(value: dict[str, Any], role: str, content: Any) -> bool:
+    if role not in _OPENAI_ROLES or ("name" in value and not isinstance(value["name"], str)):
+        return False
+    if role == "function":
+        nullable_text = content is None or isinstance(content, str)
+        return content is not _MISSING and nullable_text and isinstance(value.get("name"), str)
+    if role == "tool" and not isinstance(value.get("tool_call_id"), str):
+        return False
+    if role == "assistant" and "tool_calls" in value and not _tool_calls(value["tool_calls"]):
+        return False
+    if content is None or content is _MISSING:
+        return role == "assistant"
+    # any iterable is taken as parts (an object: its keys); they are checked when rendered
+    return isinstance(content, str | list | dict)
+
+
+def _is_custom_message(value: dict[str, Any], content: Any) -> bool:
+    """vLLM's own message type, for any role."""
+    if content is not _MISSING and not isinstance(content, str | list):
+        return False
+    if "name" in value and not isinstance(value["name"], str):
+        return False
+    calls = value.get("tool_calls")
+    if calls is not None and not _tool_calls(calls):
+        return False
+    return all(
+        value.get(key) is None or isinstance(value[key], str)
+        for key in ("tool_call_id", "reasoning")
+    )
+
+
+def _message(value: dict[str, Any]) -> dict[str, Any]:
+    """A message vLLM's union of message types admits (its parts are checked when rendered)."""
+    role = value.get("role")
+    if not isinstance(role, str):
+        raise ValueError("a message needs a `role` string")
+    content = value.get("content", _MISSING)
+    if not (_is_openai_message(value, role, content) or _is_custom_message(value, content)):
+        raise ValueError(f"not a valid {role!r} message")
+    return value
+
+
+class _StreamOptions(_Model):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _FunctionDefinition(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    defer_loading: bool | None = None
+
+
+class _Tool(_Model):
+    type: Literal["function"] = "function"
+    function: _FunctionDefinition
+    defer_loading: bool | None = None
+
+
+class _NamedFunction(_Model):
+    name: str
+
+
+class _NamedToolChoice(_Model):
+    function: _NamedFunction
+    type: Literal["function"] = "function"
+
+
+class _JsonSchema(_Model):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class _ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+
+
+class _StructuralTagFormat(_Model):
+    type: Literal["structural_tag"]
+    format: Any
+
+
+class _LegacyStructure(_Model):
+    begin: str
+    structural_tag_schema: dict[str, Any] = Field(alias="schema")
+    end: str
+
+
+class _LegacyStructuralTagFormat(_Model):
+    type: Literal["structural_tag"]
+    structures: list[_LegacyStructure]
+    triggers: list[str]
+
+
+_STRUCTURAL_TAG: TypeAdapter[Any] = TypeAdapter(_LegacyStructuralTagFormat | _StructuralTagFormat)
+
+
+class _Sampling(_Model):
+    """The fields /v1/chat/completions and /v1/completions share."""
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    seed: _Int64 | None = None
+    stop: _Stop = []
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    use_beam_search: bool = False
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    watermarking: bool | None = None
+    length_penalty: float = 1.0
+    stop_token_ids: list[int] | None = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=_INT64_MAX)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    bad_words: list[str] = []
+    response_format: _ResponseFormat | _StructuralTagFormat | _LegacyStructuralTagFormat | None = (
+        None
+    )
+    priority: _Int64 = 0
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    stream_interval: Annotated[int, Field(ge=1)] | None = None
+
+
+class _ChatRequest(_Sampling):
+    messages: list[Annotated[dict[str, Any], AfterValidator(_message)]]
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, BeforeValidator(_none_is_zero)] = 0
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = 1
+    tools: list[_Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _NamedToolChoice | None = "none"
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    include_reasoning: bool = True
+    parallel_tool_calls: bool | None = True
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class _CompletionRequest(_Sampling):
+    prompt: list[_TokenId] | list[list[_TokenId]] | str | list[str] | None = None
+    echo: bool | None = False
+    logprobs: int | None = None
+    max_tokens: int | None = _COMPLETION_MAX_TOKENS
+    n: int = 1
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+# -- checks vLLM's request models make on the raw body, before their fields ------------
+
+
+def _check_cache_salt(data: dict[str, Any]) -> None:
+    salt = data.get("cache_salt")
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise Refused(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt"
+        )
+    if len(salt) > _CACHE_SALT_MAX or any(c in _CACHE_SALT_FORBIDDEN for c in salt):
+        raise Refused(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+            "'@', '/', '\\\\', or NUL.",
+            "cache_salt",
+        )
+
+
+def _check_stream_options(data: dict[str, Any]) -> None:
+    if data.get("stream_options") and not data.get("stream"):
+        raise Refused("Stream options can only be defined when `stream=True`.", "stream_options")
+
+
+def _check_response_format(data: dict[str, Any]) -> None:
+    fmt = data.get("response_format")
+    if not isinstance(fmt, dict):
+        return
+    if fmt.get("type") == "json_schema" and fmt.get("json_schema") is None:
+        raise Refused(
+            "When response_format type is 'json_schema', the 'json_schema' field must be provided.",
+            "response_format",
+        )
+    if fmt.get("type") == "structural_tag":
+        # vLLM also compiles the tag's grammar here; only its shape is checked
+        try:
+            _STRUCTURAL_TAG.validate_python(fmt)
+        except ValidationError:
+            raise Refused(
+                "Invalid response_format structural_tag specification.", "response_format"
+            ) from None
+
+
+def _check_numbers(data: dict[str, Any], names: tuple[str, ...]) -> None:
+    for name in names:
+        value = data.get(name)
+        if value is not None and not isinstance(value, int | float):
+            raise Refused(f"`{name}` must be an integer.", name)
+
+
+def _check_prompt_logprobs(data: dict[str, Any]) -> None:
+    count = data.get("prompt_logprobs")
+    if count is None:
+        return
+    if data.get("stream") and (count > 0 or count == -1):
+        raise Refused("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    if count < 0 and count != -1:
+        raise Refused("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
+
+
+def _check_chat_body(data: dict[str, Any]) -> None:
+    """ChatCompletionRequest's checks of the raw body (they run before its fields')."""
+    messages = data.get("messages", [])
+    if messages is None or isinstance(messages, int | float):
+        # vLLM iterates them here, and its TypeError is a 400
+        raise Refused(f"'{type(messages).__name__}' object is not iterable")
+    _check_cache_salt(data)
+    _check_response_format(data)
+    _check_stream_options(data)
+    if data.get("logprob_token_ids") and data.get("use_beam_search"):
+        raise Refused("`logprob_token_ids` is not supported with beam search.", "logprob_token_ids")
+    if data.get("logprob_token_ids") and not data.get("logprobs"):
+        raise Refused(
+            "when using `logprob_token_ids`, `logprobs` must be set to true.", "logprob_token_ids"
+        )
+    _check_numbers(data, ("prompt_logprobs", "top_logprobs"))
+    _check_prompt_logprobs(data)
+    top = data.get("top_logprobs")
+    if top is not None:
+        if top < 0 and top != -1:
+            raise Refused("`top_logprobs` must be a positive value or -1.", "top_logprobs")
+        if (top == -1 or top > 0) and not data.get("logprobs"):
+            raise Refused(
+                "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
+            )
+    _check_tool_usage(data)
+    if data.get("continue_final_message") and data.get("add_generation_prompt"):
+        raise Refused(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+
+
+def _check_tool_usage(data: dict[str, Any]) -> None:
+    """vLLM's tool checks; tools without a tool_choice choose "auto", as in vLLM."""
+    if data.get("tools") == []:
+        raise Refused(
+            "`tools` must not be an empty array. Either provide at least one tool or omit "
+            "the field entirely.",
+            "tools",
+        )
+    if "tool_choice" not in data and data.get("tools"):
+        data["tool_choice"] = "auto"
+    choice = data.get("tool_choice")
+    if choice is None or choice == "none":
+        return
+    if data.get("tools") is None:
+        raise Refused("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if not isinstance(choice, dict):
+        if choice not in ("auto", "required"):
+            raise Refused(
+                f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", '
+                '"auto" or "required" are supported.',
+                "tool_choice",
+            )
+        return
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise Refused(
+            f"Invalid value for `function`: `{function}` in `tool_choice`!",
+            "tool_choice.function",
+        )
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise Refused(
+            f"Invalid `name` in `function`: `{name}` in `tool_choice`!",
+            "tool_choice.function.name",
+        )
+    tools = data["tools"] if isinstance(data["tools"], list) else []
+    names = [
+        tool["function"].get("name")
+        for tool in tools
+        if isinstance(tool, dict) and isinstance(tool.get("function"), dict)
+    ]
+    if name not in names:
+        raise Refused(
+            "The tool specified in `tool_choice` does not match any of the specified `tools`",
+            "tool_choice",
+        )
+
+
+def _check_completion_body(data: dict[str, Any]) -> None:
+    """CompletionRequest's checks of the raw body (they run before its fields')."""
+    _check_cache_salt(data)
+    prompt = data.get("prompt")
+    if prompt is None or prompt == "":
+        raise Refused("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+    if (
+        isinstance(prompt, list)
+        and not all(isinstance(p, int) for p in prompt)
+        and len(prompt) > _MAX_PROMPTS
+    ):
+        raise Refused(
+            f"prompt list length {len(prompt)} exceeds the maximum allowed count of "
+            f"{_MAX_PROMPTS}.",
+            "prompt",
+        )
+    _check_response_format(data)
+    if data.get("logprob_token_ids") and data.get("use_beam_search"):
+        raise Refused("`logprob_token_ids` is not supported with beam search.", "logprob_token_ids")
+    if data.get("use_beam_search") and data.get("echo") and data.get("logprobs") is not None:
+        raise Refused("`echo` with `logprobs` is not supported with beam search.", "echo")
+    if data.get("logprob_token_ids") and data.get("echo") and data.get("max_tokens") == 0:
+        raise Refused(
+            "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0`.",
+            "logprob_token_ids",
+        )
+    if data.get("logprob_token_ids") and data.get("logprobs") is None:
+        raise Refused(
+            "when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids"
+        )
+    _check_numbers(data, ("prompt_logprobs", "logprobs"))
+    _check_prompt_logprobs(data)
+    count = data.get("logprobs")
+    if count is not None and count < 0 and count != -1:
+        raise Refused("`logprobs` must be a positive value or -1.", "logprobs")
+    _check_stream_options(data)
+
+
+# -- what vllm serve writes for a body its request models refuse ------------------------
+
+# Markers pydantic puts in an error's location for union members and wrappers.
+_LOC_MARKERS = frozenset(
+    {"function-wrap", "function-after", "function-before", "function-plain", "union",
+     "tagged-union", "nullable", "default", "chain", "lax-or-strict", "json-or-python",
+     "str", "int", "float", "bool", "list", "dict", "none"}
+)  # fmt: skip
+
+
+def _param(loc: tuple[int | str, ...]) -> str:
+    parts = [
+        str(p) for p in loc if not re.search(r"[\[\]{}()]", str(p)) and str(p) not in _LOC_MARKERS
+    ]
+    return ".".join(["body", *parts])
+
+
+def _invalid(exc: ValidationError) -> ErrorResult:
+    """The 400 that vllm serve's request validation handler writes (type ``Bad Request``)."""
+    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    label = "error" if len(errors) == 1 else "errors"
+    lines = "".join(
+        f"\n  {{'type': {e['type']!r}, 'loc': {_param(e['loc'])!r}, 'msg': {e['msg']!r}}}"
+        for e in errors[:10]
+    )
+    body = error_json(
+        f"{len(errors)} validation {label}:{lines}", "Bad Request", _param(errors[0]["loc"]), 400
+    )
+    return ErrorResult(body.decode(), 400)
+
+
+# -- the serving layer's checks --------------------------------------------------------
+
+
+def _sampling_checks(
+    request: _ChatRequest | _CompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+) -> dict[int, float]:
+    """vLLM's SamplingParams checks, in its order; returns the logit bias by token id."""
+    bias: dict[int, float] = {}
+    bad_keys = []
+    for key, value in (request.logit_bias or {}).items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            bad_keys.append(key)
+    if bad_keys:
+        raise Refused(
+            "logit_bias contains key(s) that cannot be converted to integer token IDs: "
+            f"{bad_keys!r}",
+            "logit_bias",
+        )
+    fmt = request.response_format
+    if isinstance(fmt, _ResponseFormat) and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise Refused(
+                "You must use one kind of structured outputs constraint but none are specified"
+            )
+    n = 1 if request.n is None else request.n
+    if n < 1:
+        raise Refused(f"n must be at least 1, got {n}.")
+    if n > _MAX_N:
+        raise Refused(f"n must be at most {_MAX_N}, got {n}.")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(request, name) or 0.0
+        if not -2.0 <= value <= 2.0:
+            raise Refused(f"{name} must be in [-2, 2], got {value}.")
+    repetition = 1.0 if request.repetition_penalty is None else request.repetition_penalty
+    if not math.isfinite(repetition):
+        raise Refused(f"repetition_penalty must be a finite number, got {repetition}.")
+    if repetition <= 0.0:
+        raise Refused(f"repetition_penalty must be greater than zero, got {repetition}.")
+    temperature = 1.0 if request.temperature is None else request.temperature
+    if not math.isfinite(temperature):
+        raise Refused(f"temperature must be a finite number, got {temperature}.", "temperature")
+    if temperature < 0.0:
+        raise Refused(f"temperature must be non-negative, got {temperature}.", "temperature")
+    if temperature > 2.0:
+        raise Refused(f"temperature must be in [0, 2], got {temperature}.", "temperature")
+    top_p = 1.0 if request.top_p is None else request.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise Refused(f"top_p must be in (0, 1], got {top_p}.", "top_p")
+    top_k = 0 if request.top_k is None else request.top_k
+    if top_k < -1:
+        raise Refused(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    min_p = 0.0 if request.min_p is None else request.min_p
+    if not 0.0 <= min_p <= 1.0:
+        raise Refused(f"min_p must be in [0, 1], got {min_p}.")
+    if max_tokens < 1:
+        raise Refused(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+    if request.min_tokens < 0:
+        raise Refused(f"min_tokens must be greater than or equal to 0, got {request.min_tokens}.")
+    if request.min_tokens > max_tokens:
+        raise Refused(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+            f"got {request.min_tokens}."
+        )
+    for name, count in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if count is not None and count != -1 and count < 0:
+            raise Refused(f"{name} must be non-negative or -1, got {count}.", name)
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    if any(not s for s in stop):
+        raise Refused("stop cannot contain an empty string.")
+    if any(not word for word in request.bad_words):
+        raise Refused(f"bad_words cannot contain an empty string. Got {request.bad_words}")
+    if temperature < _GREEDY_BELOW and n > 1:
+        raise Refused(f"n must be 1 when using greedy sampling, got {n}.")
+    return bias
+
+
+def _text_of(content: Any, model: str) -> str:
+    """A message's content as the chat template gets it: its text parts, one per line.
+
+    vLLM iterates any non-string content as parts (an object: its keys).
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        if key is not None and isinstance(part.get(key), str):
+            texts.append(part[key])
+        elif isinstance(part, dict) and isinstance(kind, str) and kind not in _TEXT_PARTS:
+            raise Refused(f"{model} is not a multimodal model")
+        else:
+            raise Refused(f"Invalid content part: {str(part)[:100]}")
+    return "\n".join(texts)
+
+
+def _tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's tool call for the template: its arguments as an object."""
+    function = call.get("function")
+    if call.get("type", "function") != "function" or not isinstance(function, dict):
+        raise Refused(
+            "chat completions only support assistant tool_calls of type 'function'.",
+            "tool_calls",
+        )
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = {}
+    if not isinstance(arguments, dict):
+        arguments = {}
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _consolidate_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One system message first, as vLLM makes it after turning developers into systems."""
+    systems = [m for m in conversation if m["role"] == "system"]
+    if len(systems) < 2 and (not systems or conversation[0]["role"] == "system"):
+        return conversation
+    merged = {
+        "role": "system",
+        "content": "\n\n".join(m["content"] for m in systems if m["content"]),
+    }
+    return [merged, *(m for m in conversation if m["role"] != "system")]
+
+
+def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a completion request: a string or a token list is one."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        return []
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+# -- the plan of one request ------------------------------------------------------------
+
+
+@dataclass
+class _Prompt:
+    ids: list[int]
+    max_tokens: int  # what the engine may generate for it
+    echo: str = ""  # text a reply starts with (echo)
+
+
+@dataclass
+class _Plan:
+    chat: bool
+    stream: bool
+    n: int
+    prompts: list[_Prompt]
+    # vLLM's engine refuses it as it starts (after a stream's 200)
+    refused: RefusedAtStart | None = None
+    finish: list[str] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p.ids) for p in self.prompts)
 
 
 class SimulatedEngine:
@@ -56,12 +713,18 @@ class SimulatedEngine:
         self.running = 0
         self._tokenizer: Any = None
         self._output_ids: list[int] = []
+        self._vocab_size = 0
+        self._max_token_id = 0
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self._output_ids = list(self._tokenizer.encode(_TEXT, add_special_tokens=False))
+        self._max_token_id = max(self._tokenizer.get_vocab().values())
+        config = self.model_path / "config.json"
+        vocab = orjson.loads(config.read_bytes()).get("vocab_size") if config.exists() else None
+        self._vocab_size = int(vocab) if isinstance(vocab, int) else len(self._tokenizer)
 
     async def stop(self) -> None:
         return None
@@ -69,47 +732,262 @@ class SimulatedEngine:
     def stats(self) -> EngineStats:
         return EngineStats(running=self.running)
 
-    def _prompt_tokens(self, endpoint: Endpoint, body: dict[str, Any]) -> int | ErrorResult:
-        if endpoint is Endpoint.CHAT:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                return _error("messages must be a non-empty list", param="messages")
-            ids = self._tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
+    @property
+    def _context(self) -> int:
+        return self.entry.max_model_len
+
+    # -- checks and counts, as vLLM's serving layer makes them -------------------------
+
+    def _check_limits(self, max_output: int, param: str, truncate: int | None) -> None:
+        if max_output > self._context:
+            raise Refused(
+                f"{param}={max_output} cannot be greater than max_model_len={self._context}. "
+                "Please request fewer output tokens.",
+                param,
             )
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return len(ids)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return len(self._tokenizer.encode(prompt))
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return len(prompt)
-        return _error("prompt must be a string or a list of token ids", param="prompt")
+        if truncate is not None and truncate > self._context:
+            raise Refused(
+                f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len = "
+                f"{self._context}. Please request a smaller truncation size.",
+                "truncate_prompt_tokens",
+            )
+
+    def _fit(
+        self, ids: list[int], truncate: int | None, max_output: int, side: str | None
+    ) -> list[int]:
+        """Truncate as asked, then refuse a prompt longer than the context."""
+        if truncate is not None:
+            keep = truncate if truncate >= 0 else self._context - (1 if max_output else 0)
+            if keep < len(ids):
+                side = side or getattr(self._tokenizer, "truncation_side", "right")
+                ids = ids[len(ids) - keep :] if side == "left" else ids[:keep]
+        if len(ids) > self._context:
+            raise Refused(
+                f"This model's maximum context length is {self._context} tokens. However, "
+                f"your prompt contains {len(ids)} input tokens, which exceeds this limit even "
+                "without any output tokens. Please reduce the length of the input prompt.",
+                "input_tokens",
+            )
+        return ids
+
+    def _room(self, prompt_len: int, limit: int | None, truncate: int | None) -> int:
+        """The tokens vLLM lets a prompt generate: its limit, cut to what the context leaves."""
+        if truncate is not None:
+            prompt_len = min(prompt_len, self._context if truncate == -1 else truncate)
+        room = self._context - prompt_len
+        return room if limit is None else min(room, limit)
+
+    def _at_start(
+        self,
+        request: _ChatRequest | _CompletionRequest,
+        bias: dict[int, float],
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        prompts: list[list[int]],
+    ) -> RefusedAtStart | None:
+        """What vLLM's engine refuses when it takes the request."""
+        vocab = self._vocab_size
+        for kind, name, count in (
+            ("sample", "logprobs", logprobs),
+            ("prompt", "prompt_logprobs", prompt_logprobs),
+        ):
+            asked = vocab if count == -1 else count
+            if asked and asked > _MAX_LOGPROBS:
+                return RefusedAtStart(
+                    f"Requested {kind} logprobs of {asked}, which is greater than max "
+                    f"allowed: {_MAX_LOGPROBS}",
+                    name,
+                )
+        for name, ids in (("logit_bias", list(bias)), ("stop_token_ids", request.stop_token_ids)):
+            outside = [i for i in ids or [] if not 0 <= i < vocab]
+            if outside:
+                return RefusedAtStart(
+                    f"token_id(s) {outside} in {name} contain out-of-vocab token ids. "
+                    f"Vocabulary size: {vocab}",
+                    name,
+                )
+        allowed = request.allowed_token_ids
+        if allowed is not None and (not allowed or any(not 0 <= i < vocab for i in allowed)):
+            return RefusedAtStart(
+                "allowed_token_ids is empty or contains out-of-vocab token ids",
+                "allowed_token_ids",
+            )
+        highest = max(self._max_token_id, vocab - 1)
+        for ids in prompts:
+            if not ids:
+                return RefusedAtStart("The decoder prompt cannot be empty")
+            if len(ids) >= self._context:
+                return RefusedAtStart(
+                    f"The decoder prompt (length {len(ids)}) plus the number of requested "
+                    f"output tokens (at least 1) is longer than the maximum model length of "
+                    f"{self._context}."
+                )
+            outside = [i for i in ids if not 0 <= i <= highest]
+            if outside:
+                return RefusedAtStart(f"Token id {outside[0]} is out of vocabulary")
+        return None
+
+    def _conversation(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages as vLLM hands them to the chat template."""
+        conversation = []
+        for message in messages:
+            role = message["role"]
+            turn: dict[str, Any] = {
+                "role": role,
+                "content": _text_of(message.get("content"), self.entry.id),
+            }
+            calls = message.get("tool_calls")
+            if role == "assistant" and isinstance(calls, list) and calls:
+                turn["tool_calls"] = [_tool_call(call) for call in calls]
+            if role == "tool" and "tool_call_id" in message:
+                turn["tool_call_id"] = message["tool_call_id"]
+            if isinstance(message.get("name"), str):
+                turn["name"] = message["name"]
+            conversation.append(turn)
+        template = str(self._tokenizer.chat_template or "")
+        supports_developer = '"developer"' in template or "'developer'" in template
+        if not supports_developer and any(m["role"] == "developer" for m in conversation):
+            conversation = [
+                {**m, "role": "system"} if m["role"] == "developer" else m for m in conversation
+            ]
+            conversation = _consolidate_system(conversation)
+        return conversation
+
+    def _chat_plan(self, body: dict[str, Any]) -> _Plan:
+        data = dict(body)
+        _check_chat_body(data)
+        request = _ChatRequest.model_validate(data)
+        choice = request.tool_choice
+        if choice == "auto":
+            raise Refused(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set"
+            )
+        if choice not in (None, "none"):
+            what = (
+                f'function "{choice.function.name}"'
+                if isinstance(choice, _NamedToolChoice)
+                else f'"{choice}"'
+            )
+            raise Refused(f"tool_choice={what} requires --tool-call-parser to be set")
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if request.chat_template is not None or template_kwargs.get("chat_template") is not None:
+            raise Refused(
+                "Chat template is passed with request, but --trust-request-chat-template is not "
+                "set. Refused request with untrusted chat template."
+            )
+        if _RESERVED_TEMPLATE_KWARGS & template_kwargs.keys():
+            raise Refused(
+                "Found unexpected chat template kwargs from request: "
+                f"{_RESERVED_TEMPLATE_KWARGS & template_kwargs.keys()}"
+            )
+        limit: int | None = request.max_completion_tokens
+        param = "max_completion_tokens"
+        if limit is None:
+            limit, param = request.max_tokens, "max_tokens"
+        truncate = request.truncate_prompt_tokens
+        self._check_limits(limit or 0, param, truncate)
+        conversation = self._conversation(request.messages)
+        if not conversation:
+            raise Refused(
+                "Cannot apply chat template to an empty conversation. Provide at least one message."
+            )
+        tools = [tool.model_dump() for tool in request.tools] if request.tools else None
+        extra = {k: v for k, v in template_kwargs.items() if k not in _OWN_TEMPLATE_ARGS}
+        try:
+            text = self._tokenizer.apply_chat_template(
+                conversation,
+                tools=tools,
+                documents=request.documents,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                tokenize=False,
+                **extra,
+            )
+        except Exception as exc:  # vLLM turns a template's refusal into a 400 too
+            raise Refused(str(exc)) from None
+        ids = list(self._tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
+        ids = self._fit(ids, truncate, limit or 0, request.truncation_side)
+        max_tokens = self._room(len(ids), limit, truncate)
+        logprobs = (
+            request.top_logprobs if request.logprobs and not request.logprob_token_ids else None
+        )
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo:
+            prompt_logprobs = request.top_logprobs
+        bias = _sampling_checks(request, max_tokens, logprobs, prompt_logprobs)
+        last = conversation[-1]
+        echo = last["content"] if request.echo and last["role"] == "assistant" else ""
+        return _Plan(
+            chat=True,
+            stream=bool(request.stream),
+            n=1 if request.n is None else request.n,
+            prompts=[_Prompt(ids, max_tokens, echo)],
+            refused=self._at_start(request, bias, logprobs, prompt_logprobs, [ids]),
+        )
+
+    def _completion_plan(self, body: dict[str, Any]) -> _Plan:
+        data = dict(body)
+        if data.get("max_tokens") is None:
+            data["max_tokens"] = _COMPLETION_MAX_TOKENS
+        _check_completion_body(data)
+        request = _CompletionRequest.model_validate(data)
+        if request.stream and request.use_beam_search:
+            raise Refused("Streaming is not currently supported with beam search")
+        if request.suffix is not None:
+            if request.echo:
+                raise Refused("Echo is unsupported with suffix.", "suffix")
+            if request.truncate_prompt_tokens is not None:
+                raise Refused("suffix is not supported with truncate_prompt_tokens", "suffix")
+            raise Refused(
+                "suffix is only supported for models with FIM completion rendering", "suffix"
+            )
+        prompts = _completion_prompts(request.prompt)
+        if not prompts:
+            raise Refused("You must pass at least one prompt")
+        limit, truncate = request.max_tokens, request.truncate_prompt_tokens
+        self._check_limits(limit or 0, "max_tokens", truncate)
+        rendered = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                ids = self._tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+            else:
+                ids = prompt
+            rendered.append(self._fit(list(ids), truncate, limit or 0, request.truncation_side))
+        logprobs = None if request.logprob_token_ids else request.logprobs
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo:
+            prompt_logprobs = request.logprobs
+        # echo with max_tokens=0 returns the prompt; vLLM still generates one token
+        echo_only = bool(request.echo) and request.max_tokens == 0
+        planned, bias = [], {}
+        for ids in rendered:
+            room = 1 if echo_only else self._room(len(ids), limit, truncate)
+            bias = _sampling_checks(request, room, logprobs, prompt_logprobs)
+            echo = self._tokenizer.decode(ids) if request.echo else ""
+            planned.append(_Prompt(ids, room, echo))
+        return _Plan(
+            chat=False,
+            stream=bool(request.stream),
+            n=request.n,
+            prompts=planned,
+            refused=self._at_start(request, bias, logprobs, prompt_logprobs, rendered),
+        )
+
+    # -- serving ------------------------------------------------------------------------
 
     async def run(self, endpoint: Endpoint, body: dict[str, Any], request_id: str) -> EngineResult:
         if endpoint not in (Endpoint.CHAT, Endpoint.COMPLETIONS):
-            return _error(f"{endpoint.value} is not served by this worker", 404)
-        prompt_tokens = self._prompt_tokens(endpoint, body)
-        if isinstance(prompt_tokens, ErrorResult):
-            return prompt_tokens
-        limit = body.get("max_completion_tokens") or body.get("max_tokens")
-        room = self.entry.max_model_len - prompt_tokens
-        if limit is not None and limit > room:
-            return _error(
-                f"max_tokens={limit} is too large: the prompt has {prompt_tokens} tokens and "
-                f"the context is {self.entry.max_model_len}",
-                param="max_tokens",
+            return _not_found(f"{endpoint.value} is not served by this worker")
+        try:
+            plan = (
+                self._chat_plan(body) if endpoint is Endpoint.CHAT else self._completion_plan(body)
             )
-        n = int(body.get("n") or 1)
-        # A reply has natural_tokens tokens unless max_tokens or the context cuts it.
-        cap = room if limit is None else int(limit)
-        produced = min(self.config.natural_tokens, cap)
-        finish = "length" if cap <= self.config.natural_tokens else "stop"
-        tally = current_tally.get()
-        if tally is not None:
-            tally.prompt_tokens = prompt_tokens
-        chat = endpoint is Endpoint.CHAT
+        except ValidationError as exc:
+            return _invalid(exc)
+        except Refused as refused:
+            return refused.result()
+        chat = plan.chat
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
         meta = {
             "id": rid,
@@ -117,52 +995,75 @@ class SimulatedEngine:
             "created": int(time.time()),
             "model": body.get("model", self.entry.id),
         }
-        if body.get("stream"):
+        if plan.refused is not None:
+            if not plan.stream:
+                return plan.refused.result()
             stream = StreamResult(events=self._empty())
-            stream.events = self._stream(stream, meta, chat, n, produced, finish, prompt_tokens)
+            stream.events = self._refused_stream(plan.refused)
             return stream
-        texts = ["" for _ in range(n)]
-        async for index, piece in self._tokens(n, produced):
+        # Each prompt's replies have natural_tokens tokens unless its limit cuts them.
+        counts = []
+        for prompt in plan.prompts:
+            produced = min(self.config.natural_tokens, prompt.max_tokens)
+            finish = "length" if prompt.max_tokens <= self.config.natural_tokens else "stop"
+            counts += [produced] * plan.n
+            plan.finish += [finish] * plan.n
+        tally = current_tally.get()
+        if tally is not None:
+            tally.prompt_tokens = plan.prompt_tokens
+        usage = Usage(prompt_tokens=plan.prompt_tokens, completion_tokens=sum(counts))
+        if plan.stream:
+            stream = StreamResult(events=self._empty())
+            stream.events = self._stream(stream, meta, plan, counts, usage)
+            return stream
+        texts = [plan.prompts[i // plan.n].echo for i in range(len(counts))]
+        async for index, piece in self._tokens(counts):
             texts[index] += piece
-        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=n * produced)
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": finish}
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": t},
+                "logprobs": None,
+                "finish_reason": plan.finish[i],
+            }
             if chat
-            else {"index": i, "text": t, "finish_reason": finish}
+            else {"index": i, "text": t, "logprobs": None, "finish_reason": plan.finish[i]}
             for i, t in enumerate(texts)
         ]
         full = {
             **meta,
             "object": "chat.completion" if chat else "text_completion",
             "choices": choices,
-            "usage": {
-                "prompt_tokens": usage.prompt_tokens,
-                "completion_tokens": usage.completion_tokens,
-                "total_tokens": usage.total_tokens,
-            },
+            "usage": _usage_json(usage),
         }
-        return FullResult(orjson.dumps(full).decode(), usage, finish)
+        return FullResult(orjson.dumps(full).decode(), usage, plan.finish[0])
 
     async def _empty(self) -> AsyncIterator[StreamEvent]:
         return
         yield  # pragma: no cover
 
-    async def _tokens(self, n: int, count: int) -> AsyncIterator[tuple[int, str]]:
-        """Yield (choice index, text) pairs at the configured pace."""
+    async def _refused_stream(self, refused: RefusedAtStart) -> AsyncIterator[StreamEvent]:
+        """vLLM's stream when its engine refuses the request: the error, then the end."""
+        yield StreamEvent(f"data: {refused.body()}\n\n")
+        yield StreamEvent("data: [DONE]\n\n")
+
+    async def _tokens(self, counts: list[int]) -> AsyncIterator[tuple[int, str]]:
+        """Yield (choice index, text) pairs at the configured pace, one step for all choices."""
         tally = current_tally.get()
         self.running += 1
         try:
             await asyncio.sleep(self.config.ttft_ms / 1000)
             gap = 1.0 / self.config.tokens_per_s
-            for step in range(count):
+            for step in range(max(counts, default=0)):
                 if step:
                     await asyncio.sleep(gap)
                 token_id = self._output_ids[step % len(self._output_ids)]
                 piece = self._tokenizer.decode([token_id])
-                for index in range(n):
-                    if tally is not None:
-                        tally.completion_tokens += 1
-                    yield index, piece
+                for index, count in enumerate(counts):
+                    if step < count:
+                        if tally is not None:
+                            tally.completion_tokens += 1
+                        yield index, piece
         finally:
             self.running -= 1
 
@@ -170,39 +1071,45 @@ class SimulatedEngine:
         self,
         result: StreamResult,
         meta: dict[str, Any],
-        chat: bool,
-        n: int,
-        produced: int,
-        finish: str,
-        prompt_tokens: int,
+        plan: _Plan,
+        counts: list[int],
+        usage: Usage,
     ) -> AsyncIterator[StreamEvent]:
         def event(payload: dict[str, Any]) -> StreamEvent:
             return StreamEvent(f"data: {orjson.dumps(payload).decode()}\n\n")
 
+        chat = plan.chat
         if chat:
-            for index in range(n):
+            for index in range(len(counts)):
                 first = {"index": index, "delta": {"role": "assistant", "content": ""}}
                 yield event({**meta, "choices": [{**first, "finish_reason": None}]})
-        async for index, piece in self._tokens(n, produced):
+        echoed = [False] * len(counts)
+        async for index, piece in self._tokens(counts):
+            if not echoed[index]:
+                piece = plan.prompts[index // plan.n].echo + piece
+                echoed[index] = True
             if chat:
                 choice = {"index": index, "delta": {"content": piece}, "finish_reason": None}
             else:
                 choice = {"index": index, "text": piece, "finish_reason": None}
             yield event({**meta, "choices": [choice]})
-        for index in range(n):
-            last: dict[str, Any] = {"index": index, "finish_reason": finish}
+        for index in range(len(counts)):
+            last: dict[str, Any] = {"index": index, "finish_reason": plan.finish[index]}
             if chat:
                 last["delta"] = {}
             else:
                 last["text"] = ""
             yield event({**meta, "choices": [last]})
-        result.finish_reason = finish
-        result.usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=n * produced)
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": n * produced,
-            "total_tokens": prompt_tokens + n * produced,
-        }
-        text = f"data: {orjson.dumps({**meta, 'choices': [], 'usage': usage}).decode()}\n\n"
-        yield StreamEvent(text, is_usage=True)
+        result.finish_reason = plan.finish[0]
+        result.usage = usage
+        last_event = {**meta, "choices": [], "usage": _usage_json(usage)}
+        yield StreamEvent(f"data: {orjson.dumps(last_event).decode()}\n\n", is_usage=True)
         yield StreamEvent("data: [DONE]\n\n")
+
+
+def _usage_json(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }

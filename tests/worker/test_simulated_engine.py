@@ -1,4 +1,4 @@
-"""The simulated engine (a test double) counts tokens with the real tokenizer."""
+"""The simulated engine (a test double): real token counts, and vLLM's answers to bodies."""
 
 from __future__ import annotations
 
@@ -71,3 +71,81 @@ async def test_too_many_tokens_for_the_context_is_a_400(engine: SimulatedEngine)
     result = await engine.run(Endpoint.CHAT, {"messages": MESSAGES, "max_tokens": 300}, "r")
     assert isinstance(result, ErrorResult) and result.status == 400
     assert orjson.loads(result.body)["error"]["param"] == "max_tokens"
+
+
+async def test_a_prompt_near_the_context_gets_what_is_left(engine: SimulatedEngine) -> None:
+    # 250 prompt tokens in a 256-token context: 6 are left, whatever max_tokens asks
+    body = {"prompt": [6403] * 250, "max_tokens": 100}
+    result = await engine.run(Endpoint.COMPLETIONS, body, "r")
+    assert isinstance(result, FullResult)
+    assert result.usage.prompt_tokens == 250 and result.usage.completion_tokens == 6
+    assert result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("limit", [{}, {"max_tokens": 4}], ids=["no-max-tokens", "max-tokens"])
+async def test_a_prompt_longer_than_the_context_is_a_400(
+    engine: SimulatedEngine, limit: dict[str, int]
+) -> None:
+    body = {"messages": [{"role": "user", "content": " hello" * 300}], **limit}
+    result = await engine.run(Endpoint.CHAT, body, "r")
+    assert isinstance(result, ErrorResult) and result.status == 400
+    assert orjson.loads(result.body)["error"]["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize(
+    ("message", "rendered"),
+    [
+        ({"role": "user", "content": [{"type": "text", "text": "hi"}]}, "hi"),
+        (
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            "a\nb",
+        ),
+        ({"role": "user"}, ""),
+        ({"role": "assistant", "content": None}, ""),
+    ],
+    ids=["one-part", "two-parts", "no-content", "null-content"],
+)
+async def test_content_is_rendered_as_vllm_renders_it(
+    engine: SimulatedEngine, prepared_model: Path, message: dict[str, object], rendered: str
+) -> None:
+    tok = AutoTokenizer.from_pretrained(str(prepared_model))
+    as_text = [{"role": message["role"], "content": rendered}]
+    expected = tok.apply_chat_template(as_text, add_generation_prompt=True, tokenize=True)
+    if hasattr(expected, "keys"):
+        expected = expected["input_ids"]
+    result = await engine.run(Endpoint.CHAT, {"messages": [message], "max_tokens": 1}, "r")
+    assert isinstance(result, FullResult)
+    assert result.usage.prompt_tokens == len(expected)
+
+
+async def test_null_user_content_is_refused_like_vllm_refuses_it(engine: SimulatedEngine) -> None:
+    body = {"messages": [{"role": "user", "content": None}], "max_tokens": 1}
+    result = await engine.run(Endpoint.CHAT, body, "r")
+    assert isinstance(result, ErrorResult) and result.status == 400
+    # what vllm serve's request validation writes
+    assert orjson.loads(result.body)["error"]["type"] == "Bad Request"
+
+
+async def test_a_batch_of_prompts_is_one_generation_each(engine: SimulatedEngine) -> None:
+    body = {"prompt": ["Once upon a time", "The cat"], "max_tokens": 3, "n": 2}
+    result = await engine.run(Endpoint.COMPLETIONS, body, "r")
+    assert isinstance(result, FullResult)
+    assert result.usage.prompt_tokens == 4 + 2 and result.usage.completion_tokens == 2 * 2 * 3
+    assert [c["index"] for c in orjson.loads(result.body)["choices"]] == [0, 1, 2, 3]
+
+
+async def test_a_stream_the_engine_refuses_fails_after_its_200(engine: SimulatedEngine) -> None:
+    tally = TokenTally()
+    current_tally.set(tally)
+    body = {"messages": MESSAGES, "max_tokens": 2, "logprobs": True, "top_logprobs": 21}
+    result = await engine.run(Endpoint.CHAT, {**body, "stream": True}, "r")
+    assert isinstance(result, StreamResult)
+    events = [e.text async for e in result.events]
+    assert events[-1] == "data: [DONE]\n\n" and len(events) == 2
+    assert orjson.loads(events[0][6:])["error"]["type"] == "BadRequestError"
+    assert result.usage is None and tally.usage().total_tokens == 0
+    refused = await engine.run(Endpoint.CHAT, body, "r")  # not streamed: a plain 400
+    assert isinstance(refused, ErrorResult) and refused.status == 400
