@@ -712,7 +712,7 @@ class SimulatedEngine:
         self.slots_total = self.config.max_num_seqs
         self.running = 0
         self._tokenizer: Any = None
-        self._output_ids: list[int] = []
+        self._pieces: list[str] = []
         self._vocab_size = 0
         self._max_token_id = 0
 
@@ -720,7 +720,9 @@ class SimulatedEngine:
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-        self._output_ids = list(self._tokenizer.encode(_TEXT, add_special_tokens=False))
+        # the reply's tokens, each decoded once
+        output_ids = self._tokenizer.encode(_TEXT, add_special_tokens=False)
+        self._pieces = [self._tokenizer.decode([token_id]) for token_id in output_ids]
         self._max_token_id = max(self._tokenizer.get_vocab().values())
         config = self.model_path / "config.json"
         vocab = orjson.loads(config.read_bytes()).get("vocab_size") if config.exists() else None
@@ -1057,8 +1059,7 @@ class SimulatedEngine:
             for step in range(max(counts, default=0)):
                 if step:
                     await asyncio.sleep(gap)
-                token_id = self._output_ids[step % len(self._output_ids)]
-                piece = self._tokenizer.decode([token_id])
+                piece = self._pieces[step % len(self._pieces)]
                 for index, count in enumerate(counts):
                     if step < count:
                         if tally is not None:
