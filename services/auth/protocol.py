@@ -17,21 +17,27 @@ class CreateKey(BaseModel):
     tpm: int | None = Field(default=None, ge=1)
     budget_tokens: int | None = Field(default=None, ge=1)
     budget_period: BudgetPeriod | None = None
-    ttl_s: float | None = Field(default=None, gt=0, description="Lifetime; none: never expires.")
+    ttl_s: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, description="Lifetime; none: never expires."
+    )
 
 
 class UpdateKey(BaseModel):
-    """Only the fields present change; ``null`` clears a limit."""
+    """Only the fields present change; ``null`` clears a limit.
+
+    ``name`` and ``models`` are not limits: they have no null (an absent
+    field keeps its value; the default of ``None`` only marks it absent).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str | None = None
-    models: list[str] | None = Field(default=None, min_length=1)
+    name: str = None  # type: ignore[assignment]
+    models: list[str] = Field(default=None, min_length=1)  # type: ignore[arg-type]
     rpm: int | None = Field(default=None, ge=1)
     tpm: int | None = Field(default=None, ge=1)
     budget_tokens: int | None = Field(default=None, ge=1)
     budget_period: BudgetPeriod | None = None
-    expires_at: float | None = None
+    expires_at: float | None = Field(default=None, allow_inf_nan=False)
 
 
 class RotateSigningKey(BaseModel):

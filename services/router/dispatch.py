@@ -15,9 +15,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import NoStreamResponseError
 
+from services.router.errors import PayloadTooLarge
 from services.router.limits import Reservation
 from tollgate.runtime import tracing
+from tollgate.runtime.settings import SettingError
 from tollgate.wire import codec
+from tollgate.wire.bus import ENVELOPE_ROOM, MAX_PAYLOAD
 from tollgate.wire.contracts import (
     Arrival,
     CancelRequest,
@@ -72,11 +75,20 @@ class Dispatcher:
         self._calls: dict[str, Call] = {}
         self.model_ids: list[str] = []
 
-    async def start(self, model_ids: Iterable[str]) -> None:
+    async def start(self, model_ids: Iterable[str], body_limit: int | None = None) -> None:
         """Create the work queue and each model's worker consumer, then take chunks.
 
         Routers create both (workers only bind: they create nothing on the bus).
+        With ``body_limit`` (the largest body the edge accepts), refuse to start
+        on a bus whose messages cannot carry a body that large.
         """
+        if body_limit is not None and body_limit + ENVELOPE_ROOM > self.nc.max_payload:
+            raise SettingError(
+                f"TOLLGATE_ROUTER_MAX_BODY_BYTES={body_limit}: NATS carries messages of at "
+                f"most {self.nc.max_payload} bytes, and a request needs its body plus "
+                f"{ENVELOPE_ROOM} bytes. Lower the body limit, or raise the server's "
+                f"max_payload (Tollgate's own configurations set {MAX_PAYLOAD})."
+            )
         self.model_ids = list(model_ids)
         await self.topology.ensure_workers(self.js, self.model_ids)
         await self.nc.subscribe(
@@ -100,10 +112,16 @@ class Dispatcher:
 
     async def submit(self, request: InferenceRequest) -> Call:
         """Register the call, then publish it to the model's work queue."""
+        # Encoded before the call is registered: a request that cannot be
+        # encoded leaves nothing behind.
+        data = codec.encode(request)
+        if len(data) + 4096 > self.nc.max_payload:  # 4 KiB: the headers
+            raise PayloadTooLarge(
+                f"The request is larger than the {self.nc.max_payload} bytes the bus carries."
+            )
         call = Call(request)
         self._calls[request.request_id] = call
         subject = self.subjects.infer(request.model)
-        data = codec.encode(request)
         headers = tracing.inject(
             {"Nats-Msg-Id": request.request_id, "Tollgate-Request-Id": request.request_id}
         )
@@ -135,7 +153,7 @@ class Dispatcher:
         try:
             await self.nc.publish(self.subjects.arrivals(request.model), codec.encode(arrival))
         except Exception as exc:  # the scaler also sees the queue depth: not worth failing for
-            log.warning("arrival not announced: %s: %s", type(exc).__name__, exc)
+            log.warning("arrival not announced: %s: %s", type(exc).__name__, str(exc))
 
     async def cancel(self, call: Call, reason: str) -> None:
         if call.cancelled:
@@ -147,7 +165,7 @@ class Dispatcher:
                 self.subjects.cancel(call.request.request_id), codec.encode(cancel)
             )
         except Exception as exc:
-            log.warning("cancel not sent: %s: %s", type(exc).__name__, exc)
+            log.warning("cancel not sent: %s: %s", type(exc).__name__, str(exc))
 
     @property
     def in_flight(self) -> int:

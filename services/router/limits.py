@@ -27,6 +27,7 @@ import orjson
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.router.errors import QuotaExceeded, RateLimited
+from services.router.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS
 from tollgate.keys.records import KeyRecord, budget_window
 from tollgate.wire.contracts import Endpoint
 from tollgate.wire.topology import Topology
@@ -65,13 +66,31 @@ def worst_case_tokens(endpoint: Endpoint, body: dict[str, Any], context: int) ->
             prompt_bound += min(context, len(prompt))
         else:
             prompt_bound += min(context, len(orjson.dumps(prompt)) + PROMPT_OVERHEAD)
-    limit = min(
-        int(body.get("max_completion_tokens") or body.get("max_tokens") or context), context
-    )
-    choices = max(
-        v for v in (body.get("n"), body.get("best_of"), 1) if isinstance(v, int) and v >= 1
-    )
+    limit = min(_completion_limit(endpoint, body) or context, context)
+    choices = max(_int_or(body.get("n"), 1), _int_or(body.get("best_of"), 1), 1)
     return prompt_bound + len(prompts) * choices * limit
+
+
+def _int_or(value: Any, default: int) -> int:
+    """``value`` when it is a JSON integer, else ``default``."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _completion_limit(endpoint: Endpoint, body: dict[str, Any]) -> int | None:
+    """The completion limit per choice, from a body the edge has checked and normalised.
+
+    Chat takes ``max_completion_tokens`` over ``max_tokens`` (None: up to the
+    context); completions has only ``max_tokens``, 16 when unset as in
+    OpenAI's API and vLLM, and 0 (echo only) still generates one token.
+    """
+    if endpoint is Endpoint.CHAT:
+        for name in ("max_completion_tokens", "max_tokens"):
+            if (value := _int_or(body.get(name), 0)) >= 1:
+                return value
+        return None
+    if body.get("max_tokens") is None:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
+    return max(1, _int_or(body.get("max_tokens"), 0))
 
 
 @dataclass
@@ -138,6 +157,8 @@ class Limiter:
 
     async def reserve(self, record: KeyRecord, worst_tokens: int) -> Reservation:
         """Take one request and ``worst_tokens`` tokens, or raise a 429."""
+        if worst_tokens < 0:
+            raise ValueError(f"a reservation cannot be negative: {worst_tokens}")
         now = time.time()
         minute = int(now // 60)
         reset = str(60 - int(now % 60))
@@ -184,7 +205,15 @@ class Limiter:
             )
 
     async def settle(self, held: Reservation, actual_tokens: int) -> None:
-        """Replace the reservation by the real count (never raises)."""
+        """Replace the reservation by the real count (never raises).
+
+        A count below zero cannot come from an engine (the usage contract
+        refuses it); should one arrive, it settles as zero, so a ledger is
+        never given back more than was reserved.
+        """
+        if actual_tokens < 0:
+            log.error("negative token count %d settled as 0", actual_tokens)
+            actual_tokens = 0
         delta = actual_tokens - held.tokens
         try:
             if held.tpm_key and delta:
@@ -192,6 +221,6 @@ class Limiter:
             if held.budget_key and delta:
                 await self.budgets.add(held.budget_key, delta)
         except Exception as exc:
-            log.error("settling a reservation failed: %s: %s", type(exc).__name__, exc)
+            log.error("settling a reservation failed: %s: %s", type(exc).__name__, str(exc))
             log.debug("settling a reservation failed", exc_info=True)
         held.tokens = actual_tokens

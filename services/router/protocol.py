@@ -1,17 +1,51 @@
 """The edge's own light request models.
 
-They check only what the edge needs (JSON shape, ``model``, ``messages`` or
-``prompt``, ``stream``, token limits); everything else in the body goes to the
+They check what the edge needs (JSON shape, ``model``, ``messages`` or
+``prompt``, ``stream``) and every numeric parameter the way ``vllm serve``
+checks it: integers are lax as in vLLM's own models (``16``, ``16.0`` and
+``"16"`` are the same; ``16.5``, ``"abc"``, ``[1]`` and ``{}`` are not), with
+vLLM's ranges. Everything is checked before a key's limits are reserved, so a
+bad number never reaches a ledger. Everything else in the body goes to the
 worker untouched, where vLLM's serving layer validates it fully.
+
+Two deliberate differences from vLLM: ``n`` (and ``best_of``) is capped at
+128, since one request reserves tokens for every choice; and ``stream`` must
+be a JSON boolean, because the edge answers differently for each.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+)
+from pydantic_core import PydanticCustomError
 
-PositiveInt = Annotated[StrictInt, Field(ge=1)]
+# The most choices one request may ask for (vLLM allows 16,384 by default).
+MAX_CHOICES = 128
+_INT64 = 2**63
+
+
+def _a_number(value: Any) -> Any:
+    """vLLM refuses a string for ``top_logprobs`` and ``prompt_logprobs`` (not lax there)."""
+    if value is not None and not isinstance(value, int | float):
+        raise PydanticCustomError("int_type", "Input should be a valid integer, not a string")
+    return value
+
+
+# An integer given as a JSON number only (16 or 16.0, not "16").
+NumberInt = Annotated[int, BeforeValidator(_a_number)]
+Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES)]
+TokenLimit = Annotated[int, Field(ge=1)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
 class StreamOptions(BaseModel):
@@ -29,30 +63,90 @@ class ChatMessage(BaseModel):
 
 
 class _Body(BaseModel):
+    """What both endpoints share: the model, streaming, and vLLM's sampling ranges."""
+
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr = Field(min_length=1)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: PositiveInt | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
+    n: Choices | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    prompt_logprobs: NumberInt | None = None
+    seed: Annotated[int, Field(ge=-_INT64, lt=_INT64)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Probability | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
 
     @property
     def token_limit(self) -> int | None:
-        return self.max_tokens
+        """The completion limit per choice the client set (None: the default)."""
+        raise NotImplementedError
+
+    @property
+    def token_limit_param(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
 
     @property
     def wants_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def problem(self) -> tuple[str, str] | None:
+        """A rule across fields that vLLM enforces: (message, param), or None."""
+        if self.prompt_logprobs is not None:
+            if self.prompt_logprobs < -1:
+                return "`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs"
+            if self.stream and self.prompt_logprobs != 0:
+                return "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+        limit = self.token_limit
+        if self.min_tokens and limit is not None and self.min_tokens > limit:
+            return (
+                f"min_tokens must be less than or equal to {self.token_limit_param}={limit}, "
+                f"got {self.min_tokens}.",
+                "min_tokens",
+            )
+        return None
+
 
 class ChatCompletionBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: PositiveInt | None = None
+    max_tokens: TokenLimit | None = None
+    max_completion_tokens: TokenLimit | None = None
+    logprobs: bool | None = None
+    top_logprobs: NumberInt | None = None
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def token_limit_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    def problem(self) -> tuple[str, str] | None:
+        top = self.top_logprobs
+        if top is not None:
+            if top < -1:
+                return "`top_logprobs` must be a positive value or -1.", "top_logprobs"
+            if top != 0 and not self.logprobs:
+                return (
+                    "when using `top_logprobs`, `logprobs` must be set to true.",
+                    "top_logprobs",
+                )
+        return super().problem()
+
+
+# The completion limit /v1/completions applies when the client sets none
+# (OpenAI's documented default, and vLLM's).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class CompletionBody(_Body):
@@ -62,3 +156,52 @@ class CompletionBody(_Body):
         | Annotated[list[StrictInt], Field(min_length=1)]
         | Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1)]
     )
+    # 0 generates nothing: valid only with echo (the prompt's own logprobs).
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    best_of: Choices | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def token_limit_param(self) -> str:
+        return "max_tokens"
+
+    @property
+    def choices(self) -> int:
+        return max(self.n or 1, self.best_of or 1)
+
+    def problem(self) -> tuple[str, str] | None:
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens must be at least 1, got 0.", "max_tokens"
+        if self.logprobs is not None and self.logprobs < -1:
+            return f"logprobs must be non-negative or -1, got {self.logprobs}.", "logprobs"
+        return super().problem()
+
+
+# The numeric fields the edge rewrites in the body it forwards, once checked:
+# a lax ``16.0`` or ``"16"`` goes on as ``16``, so nothing downstream re-parses it.
+NORMALISED = (
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "best_of",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "seed",
+    "top_k",
+)
+
+
+def normalise(checked: _Body, body: dict[str, Any]) -> None:
+    """Write the checked integers back into ``body`` (only those the client sent)."""
+    for name in NORMALISED:
+        if name in body and body[name] is not None:
+            value = getattr(checked, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                body[name] = value

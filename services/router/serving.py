@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from services.router.auth import Principal
 from services.router.capture import Capturer
@@ -20,12 +20,13 @@ from services.router.errors import (
     InvalidRequest,
     ModelNotFound,
     ServiceUnavailable,
+    TollgateError,
     WorkerLost,
 )
 from services.router.lifecycle import KEEPALIVE, CallLife, Ending, Keepalive
 from services.router.limits import Limiter, worst_case_tokens
 from services.router.metrics import RouterMetrics
-from services.router.protocol import ChatCompletionBody, CompletionBody
+from services.router.protocol import ChatCompletionBody, CompletionBody, normalise
 from services.router.settings import RouterSettings
 from services.router.usage import UsagePublisher
 from tollgate.models.catalog import Catalog, ModelEntry
@@ -41,6 +42,31 @@ from tollgate.wire.contracts import (
 )
 
 log = logging.getLogger("tollgate.router")
+
+
+# How deep JSON values may nest in a body. The bus carries the body inside the
+# request's envelope, and the encoder stops at 255 levels; no OpenAI request
+# needs more than a few dozen (a tool's JSON schema).
+MAX_JSON_DEPTH = 128
+
+
+def _check_depth(raw: bytes, body: dict[str, Any]) -> None:
+    """Refuse a body nested deeper than :data:`MAX_JSON_DEPTH`.
+
+    Counting brackets in the raw bytes (fast, in C) rules out almost every
+    body; only one with that many brackets is walked.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(
+                f"The request body nests JSON values more than {MAX_JSON_DEPTH} levels deep."
+            )
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
 
 
 _BODY_MODELS: dict[Endpoint, type[ChatCompletionBody] | type[CompletionBody]] = {
@@ -106,7 +132,11 @@ class OpenAIServing:
         self._finishing: set[asyncio.Task[None]] = set()
 
     def parse(self, endpoint: Endpoint, raw: bytes) -> Prepared:
-        """Check what the edge must check; raise an :class:`InvalidRequest` otherwise."""
+        """Check what the edge must check; raise an :class:`InvalidRequest` otherwise.
+
+        Every number is checked here, before any reservation: a request that
+        passes cannot fail later for its shape.
+        """
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -115,18 +145,21 @@ class OpenAIServing:
             ) from None
         if not isinstance(body, dict):
             raise InvalidRequest("The request body must be a JSON object.")
+        _check_depth(raw, body)
         try:
-            checked: BaseModel = _BODY_MODELS[endpoint].model_validate(body)
+            checked = _BODY_MODELS[endpoint].model_validate(body)
         except ValidationError as exc:
             message, param = _validation_message(exc)
             raise InvalidRequest(message, param=param) from None
-        assert isinstance(checked, ChatCompletionBody | CompletionBody)
+        if (problem := checked.problem()) is not None:
+            raise InvalidRequest(problem[0], param=problem[1])
+        normalise(checked, body)
         entry = self.catalog.resolve(checked.model)
         if entry is None:
             raise ModelNotFound(checked.model)
         limit = checked.token_limit
         if limit is not None and limit > entry.max_model_len:
-            param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+            param = checked.token_limit_param
             raise InvalidRequest(
                 f"{param}={limit} is larger than the context of `{entry.id}` "
                 f"({entry.max_model_len} tokens).",
@@ -196,8 +229,11 @@ class OpenAIServing:
         )
         try:
             return await self.dispatcher.submit(request)
+        except TollgateError:
+            raise
         except Exception as exc:
-            log.warning("dispatch failed: %s: %s", type(exc).__name__, exc)
+            # str(exc): a log record kept by a handler must not hold the call's frames
+            log.warning("dispatch failed: %s: %s", type(exc).__name__, str(exc))
             raise self._unavailable("The model's queue cannot be reached. Please retry.") from None
 
     def _unavailable(self, message: str) -> ServiceUnavailable:

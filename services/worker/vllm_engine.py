@@ -215,6 +215,11 @@ class VllmEngine:
             request = request_model.model_validate(engine_body(body, request_id))
         except ValidationError as exc:
             return await self._invalid(exc)
+        except Exception as exc:
+            # vLLM's own request checks (VLLMValidationError) raise past pydantic;
+            # vllm serve's exception handlers answer them (400 BadRequestError)
+            err = create_error_response(exc)
+            return ErrorResult(err.model_dump_json(), err.error.code)
         try:
             result = await serve(request, None)
         except Exception as exc:  # vllm serve's exception handlers do the same

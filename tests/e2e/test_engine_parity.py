@@ -36,24 +36,6 @@ pytestmark = [
 EDGE = "invalid_request_error"
 CONCURRENCY = 8  # the simulated model's slots; vLLM batches as many
 
-# Bodies vLLM's request models refuse with their own error (VLLMValidationError)
-# instead of a pydantic one: vllm serve's exception handlers answer 400
-# BadRequestError, as the simulated engine does, but the worker lets the error
-# escape its engine call and answers 500 (services/worker/vllm_engine.py).
-# Until it answers them as vllm serve does, they differ that way and only that
-# way; the test fails once one no longer does, so the list only shrinks.
-WORKER_500 = frozenset(
-    {
-        "chat_tools_choice_named_unknown",
-        "chat_tools_empty",
-        "chat_tool_choice_without_tools",
-        "chat_tool_choice_invalid",
-        "chat_response_format_json_schema_missing",
-        "chat_stream_options_without_stream",
-        "cmpl_stream_options_without_stream",
-    }
-)
-
 
 async def _answers(
     router_url: str, api_key: str, entries: list[Entry]
@@ -85,13 +67,7 @@ async def test_both_engines_answer_every_corpus_body_alike(
     mismatches, at_edge = [], 0
     for item in corpus:
         (sim, sim_prompt), (vllm, vllm_prompt) = simulated[item.name], real[item.name]
-        if item.name in WORKER_500:
-            if vllm != Outcome(500, "InternalServerError") or sim != item.vllm:
-                mismatches.append(
-                    f"{item.name}: simulated {sim}, vLLM {vllm}; no longer the known 500: "
-                    "take it out of WORKER_500"
-                )
-        elif sim != vllm:
+        if sim != vllm:
             mismatches.append(f"{item.name}: simulated {sim}, vLLM {vllm} (recorded {item.vllm})")
         elif vllm.error_type == EDGE:
             at_edge += 1

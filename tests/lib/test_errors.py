@@ -7,7 +7,7 @@ from aiohttp import web
 
 from services.auth.app import _error as auth_error
 from services.router.errors import InvalidRequest, ModelNotFound
-from services.worker.simulated import _error as simulated_error
+from services.worker.simulated import Refused
 from tollgate.wire.errors import error_body, error_json
 
 KEYS = {"message", "type", "param", "code"}
@@ -44,7 +44,7 @@ def test_auth_errors_keep_their_status_and_shape() -> None:
 
 
 def test_simulated_engine_mimics_vllm_with_an_int_code() -> None:
-    result = simulated_error("messages must be a non-empty list", param="messages")
+    result = Refused("messages must be a non-empty list", param="messages").result()
     assert result.status == 400
     assert orjson.loads(result.body) == error_body(
         "messages must be a non-empty list", "BadRequestError", "messages", 400

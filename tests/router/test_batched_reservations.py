@@ -36,9 +36,19 @@ def test_the_worst_case_counts_every_prompt_and_every_choice() -> None:
     )
     tokens = {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 10, "n": 2}
     assert worst_case_tokens(Endpoint.COMPLETIONS, tokens, CONTEXT) == 5 + 2 * 2 * 10
-    # no limit: each completion is bounded by the context
-    unbounded = {"prompt": ["a", "b"]}
-    assert worst_case_tokens(Endpoint.COMPLETIONS, unbounded, CONTEXT) >= 2 * CONTEXT
+    # no limit on completions: 16 each, as OpenAI's API and vLLM default it
+    default = {"prompt": ["a", "b"]}
+    prompts = 2 * (len(orjson.dumps("a")) + 64)
+    assert worst_case_tokens(Endpoint.COMPLETIONS, default, CONTEXT) == prompts + 2 * 16
+    # max_tokens 0 (echo only) still generates one token
+    echo = {"prompt": ["a", "b"], "max_tokens": 0, "echo": True}
+    assert worst_case_tokens(Endpoint.COMPLETIONS, echo, CONTEXT) == prompts + 2 * 1
+    # no limit on chat: each completion is bounded by the context
+    unbounded = {"messages": [{"role": "user", "content": "hi"}]}
+    assert worst_case_tokens(Endpoint.CHAT, unbounded, CONTEXT) >= CONTEXT
+    # completions has no max_completion_tokens: never read there, whatever it holds
+    odd = {"prompt": "a", "max_tokens": 4, "max_completion_tokens": "abc"}
+    assert worst_case_tokens(Endpoint.COMPLETIONS, odd, CONTEXT) == len(b'"a"') + 64 + 4
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "n": 2}
     assert worst_case_tokens(Endpoint.CHAT, chat, CONTEXT) == (
         len(orjson.dumps(chat["messages"])) + 64 + 2 * 5

@@ -32,6 +32,7 @@ from pathlib import Path
 import nkeys
 
 from tollgate.keys.tokens import write_secret
+from tollgate.wire import bus
 from tollgate.wire.permissions import grant
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Role, Topology
@@ -134,7 +135,11 @@ def server_config(identities: Iterable[Identities], tls: TlsFiles | None = None)
     the configuration it is merged into). No user means no anonymous access:
     the server refuses any connection that does not sign with a listed key.
     """
-    config: dict[str, object] = {"authorization": authorization(identities)}
+    # The largest message: a request body up to the router's limit must fit.
+    config: dict[str, object] = {
+        "max_payload": bus.MAX_PAYLOAD,
+        "authorization": authorization(identities),
+    }
     if tls is not None:
         config["tls"] = {
             "cert_file": str(tls.cert),

@@ -14,6 +14,14 @@ import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+# The largest message the bus carries (nats-server's max_payload; its default
+# is 1 MiB). Every configuration Tollgate writes for nats-server sets it, so a
+# request body up to the router's limit (4 MiB by default) fits in its
+# envelope with room to spare; the router checks the server's own figure at start.
+MAX_PAYLOAD = 8 * 1024 * 1024
+# Room a request's envelope and headers take beside the client's body.
+ENVELOPE_ROOM = 64 * 1024
+
 log = logging.getLogger("tollgate.wire.bus")
 
 

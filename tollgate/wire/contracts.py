@@ -65,8 +65,13 @@ class ChunkKind(StrEnum):
 
 
 class Usage(_Contract):
-    prompt_tokens: int = Field(default=0, description="Prompt tokens after the chat template.")
-    completion_tokens: int = Field(default=0, description="Tokens the engine generated.")
+    """Tokens counted by an engine. A negative count is an engine error: refused here,
+    where the worker builds it, so it never reaches a usage row or a ledger."""
+
+    prompt_tokens: int = Field(
+        default=0, ge=0, description="Prompt tokens after the chat template."
+    )
+    completion_tokens: int = Field(default=0, ge=0, description="Tokens the engine generated.")
 
     @property
     def total_tokens(self) -> int:
