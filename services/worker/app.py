@@ -21,6 +21,8 @@ from services.worker.settings import WorkerSettings
 from tollgate.models.cache import hold_entry, prepare_model
 from tollgate.models.catalog import ModelEntry, load_catalog
 from tollgate.models.sources import FetchOptions
+from tollgate.runtime import httpserver
+from tollgate.runtime.httpserver import HttpLimits
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus
 from tollgate.wire.contracts import Endpoint
@@ -141,9 +143,8 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     http: web.AppRunner | None = None
     if settings.port is not None:
         app = create_http_app(metrics, lambda: consumer.state, drain)
-        http = web.AppRunner(app, access_log=None)
-        await http.setup()
-        await web.TCPSite(http, settings.host, settings.port).start()
+        # the same HTTP layer as every service (client bounds, no echoed bytes)
+        http = await httpserver.start(app, settings.host, settings.port, limits=HttpLimits())
     await consumer.announce()
     try:
         engine_started = time.monotonic()
