@@ -203,12 +203,17 @@ class Document:
 def json_text_valid(value: Any) -> bool:
     """Whether ``value`` serialises to JSON any parser must accept (no NaN, no lone surrogate)."""
     stack = [value]
+    seen: set[int] = set()  # a mutation may put one list in several places
     while stack:
         item = stack.pop()
         if isinstance(item, float) and (item != item or item in (float("inf"), float("-inf"))):
             return False
         if isinstance(item, str) and SURROGATE.search(item) is not None:
             return False
+        if isinstance(item, list | dict):
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
         if isinstance(item, list):
             stack.extend(item)
         elif isinstance(item, dict):
@@ -470,7 +475,9 @@ class Generator:
             label = f"{pattern} nested {depth} deep"
         else:
             pool = {"type": WRONG_TYPES, "number": NUMBERS, "string": STRINGS}[op]
-            new = rng.choice(pool)
+            # a copy: a pool's list or object put in two places would let a later
+            # mutation of one reach the other (and could make the body a cycle)
+            new = copy.deepcopy(rng.choice(pool))
             parent[last] = new
             label = f"{pattern} <- {preview(new, 40)}"
         checked = strict_fields.get(pattern)
