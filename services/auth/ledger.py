@@ -144,7 +144,8 @@ class BudgetLedger:
                 except Exception as exc:  # NATS away: the next round tries again
                     log.warning("reconcile failed: %s: %s", type(exc).__name__, exc)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), self.reactivate_every_s)
+                    async with asyncio.timeout(self.reactivate_every_s):
+                        await self._stopping.wait()
         finally:
             if follow is not None:
                 follow.cancel()

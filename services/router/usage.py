@@ -74,6 +74,7 @@ class UsagePublisher:
         self._pending: set[asyncio.Task[bool]] = set()
         self._replayer: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._stopping = False
 
     async def start(self) -> None:
         topology = Topology(self.subjects)
@@ -107,19 +108,27 @@ class UsagePublisher:
 
     async def _replay_loop(self) -> None:
         """Publish what the outbox holds (from a failure or an earlier run), in order."""
-        while True:
+        while not self._stopping:
             rows = self.outbox.pending()
             for request_id, subject, data in rows:
-                if not await self._publish(request_id, subject, data):
+                if self._stopping or not await self._publish(request_id, subject, data):
                     break
             self._wake.clear()
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can turn a
+            # cancel that meets its own timeout into a TimeoutError, and this loop
+            # would never stop
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.retry_every_s)
+                async with asyncio.timeout(self.retry_every_s):
+                    await self._wake.wait()
 
     async def flush(self, timeout: float = 10) -> None:
         """Publish what can be published now; the rest stays in the outbox."""
         if self._pending:
             await asyncio.wait(self._pending, timeout=timeout)
+        # A flag as well as the cancel: nats.py can turn a cancel that lands in
+        # a publish into its own TimeoutError, which _publish takes for a failed
+        # publish, and the loop would go on.
+        self._stopping = True
         if self._replayer is not None:
             self._replayer.cancel()
             await asyncio.gather(self._replayer, return_exceptions=True)

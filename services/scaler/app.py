@@ -123,7 +123,8 @@ class Scaler:
             self.signals.arrived.clear()
             # an arrival for a model at zero must not wait for the next tick
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.signals.arrived.wait(), self.settings.tick_s)
+                async with asyncio.timeout(self.settings.tick_s):
+                    await self.signals.arrived.wait()
 
     async def gather(self, model: str) -> Signals:
         now_mono = time.monotonic()

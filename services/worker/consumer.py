@@ -243,11 +243,10 @@ class WorkerConsumer:
                     waiting_since = time.monotonic()
             except Exception as exc:  # NATS reconnecting
                 log.warning("consumer check failed: %s: %s", type(exc).__name__, exc)
-            try:
-                await asyncio.wait_for(self._stopping.wait(), self.settings.queue_check_s / 3)
-                raise _Stopped
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.queue_check_s / 3):
+                    await self._stopping.wait()
+                    raise _Stopped
         return await self.js.pull_subscribe_bind(consumer.durable, stream=consumer.stream)
 
     async def _consumer_gone(self) -> bool:
@@ -277,7 +276,8 @@ class WorkerConsumer:
             if len(self.inflight) >= self.engine.slots_total:
                 self._slot_freed.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._slot_freed.wait(), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await self._slot_freed.wait()
                 continue
             if time.monotonic() - idle_since > self.settings.queue_check_s:
                 idle_since = time.monotonic()

@@ -255,7 +255,8 @@ class Stack:
                     if child.proc is not None and child.proc.returncode is not None:
                         await self._restart(child, out)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await stop.wait()
         finally:
             watch.cancel()
             print("\nStopping Tollgate...", file=out, flush=True)

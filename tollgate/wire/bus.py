@@ -194,7 +194,8 @@ class BatchPull:
             await self.nc.publish(self.subject, orjson.dumps(request), reply=self._inbox)
             if not self._box:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._arrived.wait(), timeout)
+                    async with asyncio.timeout(timeout):
+                        await self._arrived.wait()
             if self._box:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(window):
