@@ -55,6 +55,20 @@ def test_bad_admin_input_is_a_clear_400(admin: httpx.Client) -> None:
     assert admin.get("/admin/keys/nope").status_code == 404
 
 
+def test_values_without_a_meaning_are_a_400(admin: httpx.Client) -> None:
+    """An infinite lifetime (pydantic would take "inf") and a null name or model list."""
+    r = admin.post("/admin/keys", json={"tenant": "acme", "ttl_s": "inf"})
+    assert r.status_code == 400 and "ttl_s" in r.json()["error"]["message"], r.text
+    created = admin.post("/admin/keys", json={"tenant": "acme"})
+    assert created.status_code == 201, created.text
+    key_id = created.json()["record"]["key_id"]
+    for change in ({"name": None}, {"models": None}, {"expires_at": "inf"}):
+        r = admin.patch(f"/admin/keys/{key_id}", json=change)
+        assert r.status_code == 400, (change, r.text)
+    # a limit still clears with null
+    assert admin.patch(f"/admin/keys/{key_id}", json={"rpm": None}).status_code == 200
+
+
 async def test_key_lifecycle_reaches_the_router(
     admin: httpx.Client, router_url: str, stack: Stack
 ) -> None:
