@@ -165,10 +165,21 @@ def test_engine_validation_errors_pass_through(client: openai.OpenAI) -> None:
             model=REAL_MODEL,
             messages=MESSAGES,
             max_tokens=4,
-            extra_body={"temperature": "hot"},
+            extra_body={"stop": 5},  # the edge leaves stop to vLLM's request model
         )
     body = err.value.response.json()
-    assert body["error"]["code"] == 400 and "temperature" in body["error"]["message"]
+    assert body["error"]["code"] == 400 and "stop" in body["error"]["message"]
+
+
+def test_sampling_values_are_checked_at_the_edge_as_vllm_checks_them(
+    client: openai.OpenAI,
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=REAL_MODEL, messages=MESSAGES, max_tokens=4, extra_body={"temperature": "hot"}
+        )
+    error = err.value.response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "temperature"
 
 
 async def test_sixteen_concurrent_streams(aclient: openai.AsyncOpenAI) -> None:
