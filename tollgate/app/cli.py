@@ -39,7 +39,7 @@ def _up(ns: argparse.Namespace) -> int:
     stack = Stack(
         common,
         host=ns.host,
-        port=ns.port,
+        port=ns.port or [8080],
         nats_port=ns.nats_port,
         auth_port=ns.auth_port,
         metering_port=ns.metering_port,
@@ -47,7 +47,7 @@ def _up(ns: argparse.Namespace) -> int:
         models=models,
     )
     try:
-        stack.acquire()
+        stack.acquire(sys.stdout)
     except AlreadyRunning as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -300,7 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the whole stack on this machine")
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8080)
+    up.add_argument(
+        "--port",
+        type=int,
+        action="append",
+        help="router port (default 8080); repeat it to run one router per port",
+    )
     up.add_argument("--nats-port", type=int, default=4222)
     up.add_argument("--auth-port", type=int, default=8081)
     up.add_argument("--metering-port", type=int, default=8082)

@@ -10,6 +10,14 @@ metering and the scaler, which starts and stops the workers (the models named
 on the command line are kept warm, the others start on their first request);
 restarts a child that crashes; and on Ctrl-C stops them in order (router,
 scaler and its workers, the event consumers, NATS), each draining first.
+
+No process outlives the supervisor: each child gets SIGTERM from the kernel
+when the supervisor dies, however it dies (a parent-death signal), and drains
+as on Ctrl-C; the scaler's workers get the same from the scaler. Every process
+of an instance carries the instance's id in its environment, so a later
+``tollgate up`` that finds some still running (killed before they finished
+draining, or started by a build without the death signal) stops them and says
+which they were.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import socket
 import sys
 import sysconfig
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -36,6 +45,14 @@ from services.auth.settings import AuthSettings
 from tollgate.app.busauth import Identities, private_dir, server_config
 from tollgate.keys.store import bootstrap
 from tollgate.keys.tokens import SigningKeySet, write_secret
+from tollgate.runtime.procs import (
+    INSTANCE_ENV,
+    ProcessInfo,
+    die_with_parent,
+    marked_processes,
+    port_holders,
+    stop_processes,
+)
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus, codec
 from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
@@ -83,7 +100,10 @@ class Child:
             env=self.env,
             stdout=self._log,
             stderr=self._log,
+            # its own session (Ctrl-C reaches the supervisor only, which stops
+            # children in order), and SIGTERM if the supervisor dies
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         self.started_at = time.monotonic()
 
@@ -106,7 +126,7 @@ class Stack:
         common: CommonSettings,
         *,
         host: str,
-        port: int,
+        port: int | list[int],
         nats_port: int,
         auth_port: int,
         metering_port: int = 8082,
@@ -115,20 +135,23 @@ class Stack:
     ) -> None:
         self.common = common
         self.host = host
-        self.port = port
+        # one router per port, all behind the same bus (the first is the base URL)
+        self.ports = [port] if isinstance(port, int) else list(port)
+        self.port = self.ports[0]
         self.nats_port = nats_port
         self.auth_port = auth_port
         self.metering_port = metering_port
         self.scaler_port = scaler_port
         self.models = models
         self.var = common.var_dir.resolve()
-        self.base_url = f"http://{host}:{port}/v1"
+        self.base_url = f"http://{host}:{self.port}/v1"
         self.children: list[Child] = []
+        self.instance = uuid.uuid4().hex
         self._lock: IO[str] | None = None
 
     # -- single instance ---------------------------------------------------
 
-    def acquire(self) -> None:
+    def acquire(self, out: IO[str] | None = None) -> None:
         # Keys, seeds, usage data, the outbox and logs: nothing under var/ is
         # for other users of this machine. Children inherit the umask.
         os.umask(0o077)
@@ -145,9 +168,38 @@ class Stack:
                 "Stop it (Ctrl-C in its terminal) before starting another."
             ) from None
         self._lock = lock
-        (self.var / "up.json").write_text(
-            json.dumps({"pid": os.getpid(), "base_url": self.base_url})
-        )
+        self._stop_stale(out)
+        self._write_info()
+
+    def _write_info(self) -> None:
+        info = {
+            "pid": os.getpid(),
+            "base_url": self.base_url,
+            "instance": self.instance,
+            "children": {c.name: c.proc.pid for c in self.children if c.proc is not None},
+        }
+        (self.var / "up.json").write_text(json.dumps(info))
+
+    def _stop_stale(self, out: IO[str] | None) -> list[ProcessInfo]:
+        """Stop what an earlier instance from this var dir left running."""
+        info = self._read_info()
+        instance = info.get("instance") if info else None
+        if not isinstance(instance, str):
+            return []
+        stale = marked_processes(instance)
+        if stale and out is not None:
+            listed = "\n".join(f"  {p}" for p in stale)
+            print(
+                f"An earlier Tollgate instance from {self.var} (supervisor pid "
+                f"{info.get('pid') if info else '?'}) left {len(stale)} process(es) "
+                f"running; stopping them:\n{listed}",
+                file=out,
+                flush=True,
+            )
+        killed = stop_processes(stale)
+        if killed and out is not None:
+            print(f"  {len(killed)} did not stop within 10 s and were killed.", file=out)
+        return stale
 
     def _read_info(self) -> dict[str, object] | None:
         try:
@@ -171,6 +223,7 @@ class Stack:
 
     def _env(self, role: Role | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLGATE_NATS_")}
+        env[INSTANCE_ENV] = self.instance
         if role is not None:
             env["TOLLGATE_NATS_NKEY_FILE"] = str(self.identities.seed_file(role))
         if role is Role.SCALER:  # the workers it starts have their own identity
@@ -212,8 +265,18 @@ class Stack:
                 logs / "nats.log",
             ),
             *(
+                Child(
+                    name,
+                    [sys.executable, "-m", "services.router"],
+                    {**self._env(Role.ROUTER), "TOLLGATE_ROUTER_PORT": str(port)},
+                    logs / f"{name}.log",
+                )
+                for i, port in enumerate(self.ports)
+                for name in [Role.ROUTER.value if i == 0 else f"{Role.ROUTER.value}-{i + 1}"]
+            ),
+            *(
                 Child(role.value, [sys.executable, "-m", f"services.{role.value}"], env, log)
-                for role in (Role.ROUTER, Role.AUTH, Role.METERING, Role.SCALER)
+                for role in (Role.AUTH, Role.METERING, Role.SCALER)
                 # The scaler starts the workers (their logs: logs/worker-*.log).
                 for env, log in [(self._env(role), logs / f"{role.value}.log")]
             ),
@@ -221,7 +284,7 @@ class Stack:
 
     async def run(self, out: IO[str]) -> int:
         ports = (
-            ("router", self.host, self.port, "--port"),
+            *(("router", self.host, port, "--port") for port in self.ports),
             ("NATS", "127.0.0.1", self.nats_port, "--nats-port"),
             ("auth admin API", "127.0.0.1", self.auth_port, "--auth-port"),
             ("metering service", "127.0.0.1", self.metering_port, "--metering-port"),
@@ -229,7 +292,12 @@ class Stack:
         )
         for what, host, port, flag in ports:
             if not port_free(host, port):
-                print(f"Port {port} for the {what} is in use; choose another ({flag}).", file=out)
+                holders = ", ".join(str(p) for p in port_holders(port)) or "another user's process"
+                print(
+                    f"Port {port} for the {what} is in use by {holders}; "
+                    f"stop it or choose another port ({flag}).",
+                    file=out,
+                )
                 return 1
         self.plan()
         stop = asyncio.Event()
@@ -241,6 +309,7 @@ class Stack:
         demo_key = await self._bootstrap()
         for child in services:
             await child.start()
+        self._write_info()
         print(
             f"Logs in {self.var / 'logs'}; starting the router, the scaler and "
             f"{len(self.models)} warm worker(s)...\n"
@@ -262,10 +331,11 @@ class Stack:
             print("\nStopping Tollgate...", file=out, flush=True)
             # Router first (stop taking calls, flush usage), then workers
             # (drain), then the services that consume events, NATS last.
-            nats, router, *rest = self.children
+            nats, *rest = self.children
+            routers = [c for c in rest if c.name.startswith(Role.ROUTER.value)]
             consumers = [c for c in rest if c.name in ("auth", "metering")]
-            scaler = [c for c in rest if c not in consumers]
-            for child in [router, *scaler, *consumers, nats]:
+            scaler = [c for c in rest if c not in consumers and c not in routers]
+            for child in [*routers, *scaler, *consumers, nats]:
                 # the scaler drains its workers before it exits
                 await child.stop(timeout=180 if child in scaler else 30)
             print("Stopped.", file=out, flush=True)
@@ -286,7 +356,7 @@ class Stack:
         secrets = SigningKeySet(self.var / "auth" / "signing-keys.json").hs256_secrets()
         if secrets:
             for child in self.children:
-                if child.name == Role.ROUTER.value:
+                if child.name.startswith(Role.ROUTER.value):
                     child.env["TOLLGATE_ROUTER_HS256_SECRETS"] = json.dumps(secrets)
         return token
 
@@ -311,6 +381,7 @@ class Stack:
         )
         await child.stop(timeout=1)
         await child.start()
+        self._write_info()
 
     async def _announce(self, out: IO[str]) -> None:
         """Print the base URL once the router is ready, and each model when it is."""
@@ -322,6 +393,8 @@ class Stack:
                             break
                 await asyncio.sleep(0.3)
         print(f"\nTollgate is up. OpenAI base URL: {self.base_url}", file=out, flush=True)
+        for port in self.ports[1:]:
+            print(f"Another router: http://{self.host}:{port}/v1", file=out, flush=True)
         nc = await self._connect()
         pending = set(self.models)
         done = asyncio.Event()
