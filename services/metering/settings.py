@@ -49,6 +49,14 @@ class MeteringSettings(BaseSettings):
     )
     query_max_rows: int = Field(default=10_000, ge=1, description="Most rows a query returns.")
     query_timeout_s: float = Field(default=30.0, gt=0, description="max_execution_time of queries.")
+    fault_file: Path | None = Field(
+        default=None,
+        description=(
+            "Fault injection, for soak and chaos runs only; unset (off) by default. While this "
+            "file exists every usage insert fails: refused before writing, or, when the file "
+            "holds 'after', written and then reported as failed (an unclear failure)."
+        ),
+    )
 
     def dsn(self, var_dir: Path) -> str:
         if self.clickhouse_dsn is not None:

@@ -128,8 +128,10 @@ class UsageStore:
         database: str,
         query_timeout_s: float = 30.0,
         query_dsn: str | None = None,
+        fault_file: Path | None = None,
     ) -> None:
         self.dsn = dsn
+        self.fault_file = fault_file  # fault injection (soak runs); None: off
         self.database = database
         self.query_timeout_s = query_timeout_s
         self.embedded = dsn.startswith("chdb:")
@@ -325,6 +327,9 @@ class UsageStore:
         # raw table and in the rollups its materialized views feed.
         ids = "\n".join(sorted(str(row["request_id"]) for row in rows))
         token = hashlib.sha256(ids.encode()).hexdigest()
+        fault = self._injected_fault()
+        if fault == "before":
+            raise StoreUnavailable("injected fault: insert refused")
         self._call(
             self.writer.raw_insert,
             USAGE_TABLE,
@@ -336,6 +341,18 @@ class UsageStore:
                 "deduplicate_blocks_in_dependent_materialized_views": 1,
             },
         )
+        if fault == "after":
+            raise StoreUnavailable("injected fault: insert written, reported as failed")
+
+    def _injected_fault(self) -> str | None:
+        """The fault switch (``fault_file``): None (off), "before" or "after" the write."""
+        if self.fault_file is None:
+            return None
+        try:
+            mode = self.fault_file.read_text().strip()
+        except OSError:
+            return None  # no file: no fault
+        return "after" if mode == "after" else "before"
 
     def insert_json(self, table: str, rows: list[dict[str, Any]], key: str) -> None:
         """Insert JSON rows into ``table``; a block sent again (same ``key`` values) is dropped."""

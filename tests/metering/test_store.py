@@ -360,3 +360,29 @@ def test_captured_exchanges_expire_after_the_retention(store: UsageStore) -> Non
     store.set_capture_retention(10)  # unchanged: no ALTER
     store.set_capture_retention(30)
     assert "toIntervalDay(30)" in scalar(store, f"{engine} AND name = 'exchanges'")
+
+
+def test_the_fault_switch_fails_inserts_only_while_its_file_exists(
+    store: UsageStore, tmp_path: Path
+) -> None:
+    switch = tmp_path / "fail-inserts"
+    store.fault_file = switch
+    first = [event(i, request_id=f"fault-{i}") for i in range(5)]
+    count = "SELECT count() FROM usage_events WHERE request_id LIKE 'fault-%'"
+    store.insert(first)  # no file: no fault
+    assert scalar(store, count) == 5
+
+    switch.write_text("")
+    refused = [event(i, request_id=f"fault-{i}") for i in range(5, 9)]
+    with pytest.raises(store_module.StoreUnavailable, match="refused"):
+        store.insert(refused)
+    assert scalar(store, count) == 5  # refused before anything was written
+
+    switch.write_text("after")
+    with pytest.raises(store_module.StoreUnavailable, match="reported as failed"):
+        store.insert(refused)
+    assert scalar(store, count) == 9  # written, then reported as failed
+
+    switch.unlink()
+    store.insert(refused)  # the retry of an unclear failure is dropped as a duplicate
+    assert scalar(store, count) == 9
