@@ -19,11 +19,13 @@ from pydantic import BaseModel, ValidationError
 from services.auth.admin import KeyAdmin, KeyRevokedError, NotFoundError
 from services.auth.ledger import BudgetLedger
 from services.auth.metrics import AuthMetrics
+from services.auth.openapi import admin_api
 from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
 from services.auth.settings import AuthSettings, load_admin_token
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import SigningKeySet, auth_dir
 from tollgate.runtime.httpserver import BodyTimeout
+from tollgate.runtime.openapi import add_openapi_route, build_document
 from tollgate.runtime.ops import add_ops_routes
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus
@@ -248,4 +250,5 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
         # scrape reads nothing from NATS
         {"nats": lambda app: BUS in app and app[BUS].is_connected},
     )
+    add_openapi_route(app, build_document(admin_api()))
     return app

@@ -31,10 +31,12 @@ from services.router.errors import (
 )
 from services.router.limits import Limiter
 from services.router.metrics import RouterMetrics
+from services.router.openapi import router_api
 from services.router.serving import OpenAIServing
 from services.router.settings import RouterSettings
 from services.router.usage import Outbox, UsagePublisher
 from tollgate.models.catalog import Catalog
+from tollgate.runtime.openapi import add_openapi_route, build_document
 from tollgate.runtime.ops import Check, add_ops_routes
 from tollgate.runtime.settings import CommonSettings
 from tollgate.runtime.workers import WorkerView
@@ -139,4 +141,5 @@ def create_app(
     if settings.auth:
         ready["keys"] = lambda app: KEYS in app and app[KEYS].ready
     add_ops_routes(app, metrics.registry, ready)
+    add_openapi_route(app, build_document(router_api(settings.auth)))
     return app

@@ -1,6 +1,12 @@
-"""The OpenAPI documents (docs/openapi/) against the apps they describe.
+"""The OpenAPI documents against the apps they describe.
 
-Written by hand, they are kept honest here: each is a valid OpenAPI 3.1
+Each service serves ``GET /openapi.json``, generated from its models
+(services/router/openapi.py, services/auth/openapi.py): it is valid OpenAPI
+3.1, it is what the app serves, and it has every route the app registers. The
+hand-written references (docs/openapi/) agree with it on every operation, its
+answers' statuses and its credentials.
+
+The references are kept honest here too: each is a valid OpenAPI 3.1
 document; it has exactly the routes its aiohttp app registers (a route added
 to the app and not to the document fails, and the other way round); the
 router's document covers every field the edge validates, and marks as
@@ -14,20 +20,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import yaml
 from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 from openapi_spec_validator import validate
 from pydantic import BaseModel, SecretStr
 
 from services.auth.app import create_app as create_auth_app
+from services.auth.openapi import admin_api
 from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
 from services.auth.settings import AuthSettings
 from services.router.app import create_app as create_router_app
+from services.router.openapi import router_api
 from services.router.protocol import ChatCompletionBody, ChatMessage, CompletionBody, StreamOptions
 from services.router.settings import RouterSettings
 from tollgate.keys.records import KeyRecord, SigningKey
 from tollgate.models.catalog import load_catalog
+from tollgate.runtime.openapi import OPENAPI_PATH, build_document, route_drift
 from tollgate.runtime.settings import CommonSettings
 
 DOCS = Path(__file__).parents[2] / "docs" / "openapi"
@@ -48,31 +59,9 @@ def auth_app(tmp_path: Path) -> web.Application:
     return create_auth_app(settings, CommonSettings(var_dir=tmp_path))
 
 
-def app_routes(app: web.Application) -> set[str]:
-    """``METHOD /path/{param}`` for every route (aiohttp's implicit HEAD of a GET left out)."""
-    routes = {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource}
-    return {
-        f"{method} {path}"
-        for method, path in routes
-        if not (method == "HEAD" and ("GET", path) in routes)
-    }
-
-
-def document_routes(doc: dict[str, Any]) -> set[str]:
-    return {
-        f"{method.upper()} {path}"
-        for path, item in doc["paths"].items()
-        for method in item
-        if method in METHODS
-    }
-
-
 def drift(app: web.Application, doc: dict[str, Any]) -> list[str]:
     """What differs between an app's routes and a document's, for a failure message."""
-    in_app, in_doc = app_routes(app), document_routes(doc)
-    return [f"{r}: in the app, not in the document" for r in sorted(in_app - in_doc)] + [
-        f"{r}: in the document, not in the app" for r in sorted(in_doc - in_app)
-    ]
+    return route_drift(app, doc)
 
 
 @pytest.mark.parametrize("name", ["router", "admin"])
@@ -240,3 +229,177 @@ def test_the_admin_document_has_the_models_fields_and_bounds(
         ours = shape(schemas, documented["properties"][name], defs)
         theirs = shape(None, node, defs)
         assert ours == theirs, f"{schema}.{name}"
+
+
+# -- the served documents (GET /openapi.json) ---------------------------------
+
+
+async def served(app: web.Application) -> tuple[dict[str, Any], bytes]:
+    """What the app answers to ``GET /openapi.json``: the document and its bytes."""
+    request = make_mocked_request("GET", OPENAPI_PATH, app=app)
+    match = await app.router.resolve(request)
+    response = await match.handler(request)
+    assert isinstance(response, web.Response)
+    assert response.status == 200
+    assert response.content_type == "application/json"
+    assert isinstance(response.body, bytes)
+    return orjson.loads(response.body), response.body
+
+
+def router_app_without_keys(tmp_path: Path) -> web.Application:
+    settings = RouterSettings(auth=False)
+    return create_router_app(settings, CommonSettings(var_dir=tmp_path), load_catalog())
+
+
+SERVED = [
+    pytest.param(router_app, id="router"),
+    pytest.param(router_app_without_keys, id="router-without-keys"),
+    pytest.param(auth_app, id="admin"),
+]
+
+
+@pytest.mark.parametrize("factory", SERVED)
+async def test_the_served_document_is_valid_openapi_3_1(factory: Any, tmp_path: Path) -> None:
+    doc, _ = await served(factory(tmp_path))
+    assert doc["openapi"] == "3.1.0"
+    validate(doc)
+
+
+@pytest.mark.parametrize("factory", SERVED)
+async def test_the_served_document_has_every_route_the_app_registers(
+    factory: Any, tmp_path: Path
+) -> None:
+    app = factory(tmp_path)
+    doc, _ = await served(app)
+    problems = drift(app, doc)
+    assert not problems, "GET /openapi.json and its app differ:\n" + "\n".join(problems)
+
+
+async def test_a_route_left_out_of_the_served_document_is_caught(tmp_path: Path) -> None:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = router_app(tmp_path)
+    app.router.add_post("/v1/embeddings", handler)
+    doc, _ = await served(app)
+    assert drift(app, doc) == ["POST /v1/embeddings: in the app, not in the document"]
+
+
+@pytest.mark.parametrize("factory", SERVED)
+async def test_the_document_is_generated_once_not_per_request(factory: Any, tmp_path: Path) -> None:
+    app = factory(tmp_path)
+    (first, body), (_, again) = await served(app), await served(app)
+    assert body is again  # the same bytes, encoded when the app was built
+    assert first == orjson.loads(orjson.dumps(build_document(_api_of(factory))))
+
+
+def _api_of(factory: Any) -> Any:
+    if factory is auth_app:
+        return admin_api()
+    return router_api(auth=factory is router_app)
+
+
+@pytest.mark.parametrize("factory", SERVED)
+async def test_every_served_error_answer_is_the_error_shape(factory: Any, tmp_path: Path) -> None:
+    doc, _ = await served(factory(tmp_path))
+    error = doc["components"]["schemas"]["Error"]
+    assert error["required"] == ["error"]
+    detail = doc["components"]["schemas"]["ErrorDetail"]
+    assert set(detail["required"]) == {"message", "type", "param", "code"}
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            assert "default" in op["responses"], f"{method.upper()} {path}"
+            for status, response in op["responses"].items():
+                if path == "/readyz" or (status != "default" and int(status) < 400):
+                    continue
+                schema = response["content"]["application/json"]["schema"]
+                assert schema == {"$ref": "#/components/schemas/Error"}, (
+                    f"{method.upper()} {path} {status}"
+                )
+
+
+async def test_the_router_document_follows_its_key_setting(tmp_path: Path) -> None:
+    with_keys, _ = await served(router_app(tmp_path))
+    assert set(with_keys["components"]["securitySchemes"]) == {"bearer", "azureApiKey"}
+    assert with_keys["security"] == [{"bearer": []}, {"azureApiKey": []}]
+    assert "401" in with_keys["paths"]["/v1/chat/completions"]["post"]["responses"]
+    without, _ = await served(router_app_without_keys(tmp_path))
+    assert without["security"] == [] and without["components"]["securitySchemes"] == {}
+    for item in without["paths"].values():
+        for op in item.values():
+            assert "401" not in op["responses"]
+
+
+@pytest.mark.parametrize("factory", SERVED)
+async def test_the_documentation_needs_no_credential(factory: Any, tmp_path: Path) -> None:
+    doc, _ = await served(factory(tmp_path))
+    for path in ("/openapi.json", "/healthz", "/readyz", "/metrics"):
+        assert doc["paths"][path]["get"]["security"] == [], path
+
+
+# The reference's name for a request body the served document names after its model.
+REFERENCE_BODIES = {
+    "ChatCompletionBody": "ChatCompletionRequest",
+    "CompletionBody": "CompletionRequest",
+}
+
+
+def _operations(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """What each operation is, in terms the served document and the reference share."""
+    return {
+        f"{method.upper()} {path}": {
+            "statuses": sorted(s for s in op["responses"] if s != "default"),
+            "public": op.get("security") == [],
+            "parameters": sorted(
+                _resolve(doc, p)["name"]
+                for p in [*item.get("parameters", []), *op.get("parameters", [])]
+            ),
+            "body": _body(op),
+        }
+        for path, item in doc["paths"].items()
+        for method, op in item.items()
+        if method in METHODS
+    }
+
+
+def _resolve(doc: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    if "$ref" not in node:
+        return node
+    _, kind, name = node["$ref"].removeprefix("#/").split("/")
+    resolved: dict[str, Any] = doc["components"][kind][name]
+    return resolved
+
+
+def _body(op: dict[str, Any]) -> tuple[str, bool] | None:
+    body = op.get("requestBody")
+    if body is None:
+        return None
+    name = body["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+    return REFERENCE_BODIES.get(name, name), body["required"]
+
+
+@pytest.mark.parametrize(("name", "factory"), [("router", router_app), ("admin", auth_app)])
+async def test_the_reference_agrees_with_the_served_document(
+    name: str, factory: Any, tmp_path: Path
+) -> None:
+    doc, _ = await served(factory(tmp_path))
+    reference = load(name)
+    ours, theirs = _operations(doc), _operations(reference)
+    assert set(ours) == set(theirs)
+    problems = []
+    for op, generated in ours.items():
+        written = theirs[op]
+        for aspect, value in generated.items():
+            if written[aspect] != value:
+                problems.append(f"{op} {aspect}: served {value}, reference {written[aspect]}")
+    assert not problems, f"docs/openapi/{name}.yaml and GET /openapi.json differ:\n" + "\n".join(
+        problems
+    )
+    reference_schemas = Schemas(reference)
+    for generated_name, reference_name in [*REFERENCE_BODIES.items(), ("ChatMessage",) * 2]:
+        if generated_name not in doc["components"]["schemas"]:
+            continue
+        generated_schema = doc["components"]["schemas"][generated_name]
+        written_schema = reference_schemas.get(reference_name)
+        assert set(generated_schema["properties"]) <= set(written_schema["properties"])
+        assert set(generated_schema["required"]) == set(written_schema["required"])

@@ -1,0 +1,174 @@
+"""The admin API's OpenAPI document (``GET /openapi.json``), generated from its models.
+
+Request bodies are the admin API's own models (services/auth/protocol.py),
+answers the key and signing-key records (tollgate/keys/records.py).
+docs/openapi/admin.yaml is the hand-written reference the generated document
+is checked against (tests/lib/test_openapi.py).
+
+The document is served without the admin token, like ``/healthz``: it is the
+same text as the repository's reference, names no key, tenant or setting of
+this deployment, and a client needs it before it has a token to send.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
+from tollgate.keys.records import KeyRecord, SigningKey
+from tollgate.runtime.openapi import (
+    SAME_ORIGIN,
+    Answer,
+    Api,
+    Error,
+    Header,
+    Operation,
+    PathParameter,
+    ops_operations,
+)
+
+
+class CreatedKey(BaseModel):
+    key: str = Field(description="The token (`tg-<JWT>`): returned once, here, stored nowhere.")
+    record: KeyRecord
+
+
+class KeyList(BaseModel):
+    data: list[KeyRecord] = Field(description="Every key's record, oldest first.")
+
+
+def _error(description: str, **headers: Header) -> Answer:
+    return Answer(description, Error, headers=headers)
+
+
+BAD_REQUEST = _error(
+    "The body is not JSON, has an unknown field or an invalid value (`invalid_request`)."
+)
+UNAUTHORIZED = _error(
+    "No admin token, or a wrong one (`invalid_admin_key`).",
+    **{"WWW-Authenticate": Header("`Bearer`")},
+)
+NOT_FOUND = _error("No such key or signing key (`not_found`).")
+KEY_ID = PathParameter(
+    "key_id",
+    "The key's id (its token's `jti`). An id of another shape (not letters, digits, `-`, `_`, "
+    "`=` in dot-separated parts, or over 128 characters) cannot exist: 404.",
+    {"type": "string", "minLength": 1, "maxLength": 128},
+)
+KID = PathParameter("kid", "The signing key's id (in every token's header).")
+
+
+def admin_api() -> Api:
+    operations = [
+        Operation(
+            "POST",
+            "/admin/keys",
+            "createKey",
+            "Issue a key; the token is in this response only and stored nowhere.",
+            ("keys",),
+            {
+                201: Answer("The new key's token and its whitelist record.", CreatedKey),
+                400: BAD_REQUEST,
+                401: UNAUTHORIZED,
+            },
+            body=CreateKey,
+        ),
+        Operation(
+            "GET",
+            "/admin/keys",
+            "listKeys",
+            "Every key's record, oldest first (never a token).",
+            ("keys",),
+            {200: Answer("The records.", KeyList), 401: UNAUTHORIZED},
+        ),
+        Operation(
+            "GET",
+            "/admin/keys/{key_id}",
+            "showKey",
+            "One key's record.",
+            ("keys",),
+            {200: Answer("The record.", KeyRecord), 401: UNAUTHORIZED, 404: NOT_FOUND},
+            parameters=(KEY_ID,),
+        ),
+        Operation(
+            "PATCH",
+            "/admin/keys/{key_id}",
+            "updateKey",
+            "Change a key's name, models, limits or expiry; reaches every router within "
+            "milliseconds.",
+            ("keys",),
+            {
+                200: Answer("The record after the change.", KeyRecord),
+                400: BAD_REQUEST,
+                401: UNAUTHORIZED,
+                404: NOT_FOUND,
+                409: _error("The key is revoked and cannot change (`key_revoked`)."),
+            },
+            body=UpdateKey,
+            parameters=(KEY_ID,),
+        ),
+        Operation(
+            "DELETE",
+            "/admin/keys/{key_id}",
+            "revokeKey",
+            "Revoke a key; revoked is final. Revoking a revoked key changes nothing.",
+            ("keys",),
+            {
+                200: Answer("The record, now `revoked`.", KeyRecord),
+                401: UNAUTHORIZED,
+                404: NOT_FOUND,
+            },
+            parameters=(KEY_ID,),
+        ),
+        Operation(
+            "POST",
+            "/admin/signing-keys/rotate",
+            "rotateSigningKey",
+            "A new signing key signs from now on; tokens of older keys verify until those "
+            "are retired.",
+            ("signing-keys",),
+            {
+                201: Answer("The new signing key (public half).", SigningKey),
+                400: BAD_REQUEST,
+                401: UNAUTHORIZED,
+            },
+            body=RotateSigningKey,
+            body_required=False,
+        ),
+        Operation(
+            "POST",
+            "/admin/signing-keys/{kid}/retire",
+            "retireSigningKey",
+            "Retire a signing key; every token it signed stops verifying.",
+            ("signing-keys",),
+            {
+                200: Answer("The signing key, now retired.", SigningKey),
+                400: _error("The current signing key cannot be retired (rotate first)."),
+                401: UNAUTHORIZED,
+                404: NOT_FOUND,
+            },
+            parameters=(KID,),
+        ),
+        *ops_operations(
+            "Readiness; 503 until connected to NATS.",
+            "Prometheus metrics (keys by state, budget ledger; docs/metrics.md).",
+        ),
+    ]
+    return Api(
+        title="Tollgate admin API",
+        summary="API keys and signing keys, on the auth service.",
+        description="Issue, list, change and revoke API keys, and rotate the keys that sign "
+        "them (the `tollgate keys` commands). Every call under `/admin/` needs the admin "
+        "token, exactly as `Authorization: Bearer <token>`. Errors are OpenAI-shaped: "
+        '`{"error": {"message", "type", "param", "code"}}`.',
+        servers=[SAME_ORIGIN],
+        security_schemes={
+            "adminToken": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "The admin token, exactly `Authorization: Bearer <token>`.",
+            }
+        },
+        operations=operations,
+        tags=("keys", "signing-keys", "operations"),
+    )

@@ -1,0 +1,295 @@
+"""The router's OpenAPI document (``GET /openapi.json``), generated from its models.
+
+Request bodies are the edge's own models (services/router/protocol.py): what
+they say is exactly what the edge checks before dispatch; every other field
+passes to the worker untouched and vLLM's serving layer validates it as
+``vllm serve`` does (``additionalProperties``). Answers are the models below:
+the OpenAI shapes the worker's serving layer produces and the router relays,
+with only the fields a client can count on required. docs/openapi/router.yaml
+is the hand-written reference the generated document is checked against
+(tests/lib/test_openapi.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.router.protocol import ChatCompletionBody, CompletionBody
+from tollgate.runtime.openapi import (
+    SAME_ORIGIN,
+    Answer,
+    Api,
+    Error,
+    Header,
+    Operation,
+    PathParameter,
+    ops_operations,
+)
+
+# -- answers ------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    """The engine's own counts; what is billed."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt_tokens: int = Field(ge=0, description="Prompt tokens after the chat template.")
+    completion_tokens: int = Field(ge=0, description="Tokens generated, every choice together.")
+    total_tokens: int = Field(ge=0)
+
+
+class AssistantMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["assistant"]
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    index: int = Field(ge=0)
+    message: AssistantMessage
+    finish_reason: str | None = Field(description="`stop`, `length`, `tool_calls`, `abort`...")
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletion(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChunkDelta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    index: int = Field(ge=0)
+    delta: ChunkDelta
+    finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One ``data:`` event of a streamed chat completion."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    index: int = Field(ge=0)
+    text: str
+    finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+class Completion(BaseModel):
+    """A text completion, whole, or one ``data:`` event of a streamed one."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class Model(BaseModel):
+    id: str = Field(description="The catalog id.")
+    object: Literal["model"]
+    created: int = Field(description="When this router started (Unix time).")
+    owned_by: str
+    max_model_len: int = Field(description="The context length, prompt and completion together.")
+    aliases: list[str] = Field(description="Other names the model answers to.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[Model]
+
+
+# -- operations ---------------------------------------------------------------------
+
+_INT = {"type": "integer"}
+REQUEST_ID = Header("The request's id, also in the router's and the worker's logs.")
+RETRY_AFTER = Header("Seconds to wait before retrying.", {"type": "integer", "minimum": 1})
+RATE_LIMITS = {
+    "x-ratelimit-limit-requests": Header("The key's requests per minute (rpm keys only).", _INT),
+    "x-ratelimit-remaining-requests": Header("Requests left in the current minute.", _INT),
+    "x-ratelimit-reset-requests": Header("Time until the minute's window resets, e.g. `42s`."),
+    "x-ratelimit-limit-tokens": Header("The key's tokens per minute (tpm keys only).", _INT),
+    "x-ratelimit-remaining-tokens": Header(
+        "Tokens left in the current minute after this request's reservation.", _INT
+    ),
+    "x-ratelimit-reset-tokens": Header("Time until the minute's window resets, e.g. `42s`."),
+}
+
+
+def _error(description: str, **headers: Header) -> Answer:
+    return Answer(description, Error, headers=headers)
+
+
+UNAUTHORIZED = _error(
+    "No key, or a key that is malformed, badly signed, expired, revoked or not on the "
+    "whitelist (`invalid_api_key`)."
+)
+
+
+def _call_answers(
+    body: type[BaseModel], event: type[BaseModel], auth: dict[int, Answer]
+) -> dict[int, Answer]:
+    """What a completion call answers (whole or streamed)."""
+    return {
+        200: Answer(
+            "The completion (`stream` false) or its chunks (`stream` true).",
+            body,
+            headers={"x-request-id": REQUEST_ID, **RATE_LIMITS},
+            media={
+                "text/event-stream": (
+                    {
+                        "type": "string",
+                        "description": "`data: <chunk JSON>` events, then `data: [DONE]`; "
+                        "lines starting with `:` are keep-alive comments; an error after "
+                        "the first chunk is `data: <Error JSON>` then `data: [DONE]`.",
+                    },
+                    event,
+                )
+            },
+        ),
+        400: _error(
+            "The body is not JSON, not an object, or a field is missing or invalid (`param` "
+            "names it), a token limit is larger than the model's context, or the engine "
+            "refused a parameter; or the body does not match its Content-Encoding.",
+            **{"x-request-id": REQUEST_ID},
+        ),
+        **auth,
+        404: _error("No such model, or the key may not use it (`model_not_found`)."),
+        413: _error("The body is larger than TOLLGATE_ROUTER_MAX_BODY_BYTES."),
+        415: _error("The Content-Type is not JSON, or the Content-Encoding is unsupported."),
+        429: _error(
+            "Over the key's requests or tokens per minute (`rate_limit_exceeded`), or its "
+            "token budget is spent (`insufficient_quota`).",
+            **{"Retry-After": RETRY_AFTER, **RATE_LIMITS},
+        ),
+        502: _error("The worker serving the request stopped before it ended (`worker_lost`)."),
+        503: _error(
+            "No capacity (`no_capacity`), or the key whitelist is stale (`whitelist_stale`).",
+            **{"Retry-After": RETRY_AFTER},
+        ),
+        504: _error("The request ran past TOLLGATE_ROUTER_REQUEST_TIMEOUT_S."),
+    }
+
+
+def router_api(auth: bool = True) -> Api:
+    """The router's API, with or without API keys (TOLLGATE_ROUTER_AUTH)."""
+    unauthorized = {401: UNAUTHORIZED} if auth else {}
+    unavailable = {503: _error("The key whitelist is stale (`whitelist_stale`).")}
+    model = PathParameter(
+        "model",
+        "A model id or alias; ids may contain `/`, sent as is or percent-encoded.",
+    )
+    operations = [
+        Operation(
+            "POST",
+            "/v1/chat/completions",
+            "createChatCompletion",
+            "A chat completion, whole or streamed (server-sent events).",
+            ("inference",),
+            _call_answers(ChatCompletion, ChatCompletionChunk, unauthorized),
+            body=ChatCompletionBody,
+            description="Fields beyond these pass to the engine, which validates them as "
+            "`vllm serve` does. The request waits in the model's queue until a worker has a "
+            "free slot (at most TOLLGATE_ROUTER_QUEUE_TIMEOUT_S, then 503).",
+        ),
+        Operation(
+            "POST",
+            "/v1/completions",
+            "createCompletion",
+            "A text completion, whole or streamed (server-sent events).",
+            ("inference",),
+            _call_answers(Completion, Completion, unauthorized),
+            body=CompletionBody,
+            description="`prompt` may be a batch: at most TOLLGATE_ROUTER_MAX_PROMPTS prompts. "
+            "Fields beyond these pass to the engine.",
+        ),
+        Operation(
+            "GET",
+            "/v1/models",
+            "listModels",
+            "The catalog's models this key may use.",
+            ("models",),
+            {200: Answer("The models.", ModelList), **unauthorized, **unavailable},
+        ),
+        Operation(
+            "GET",
+            "/v1/models/{model}",
+            "retrieveModel",
+            "One model, by id or alias.",
+            ("models",),
+            {
+                200: Answer("The model card.", Model),
+                **unauthorized,
+                404: _error("No such model, or the key may not use it (`model_not_found`)."),
+                **unavailable,
+            },
+            parameters=(model,),
+        ),
+        *ops_operations(
+            "Readiness; 503 until connected to NATS and the key whitelist is loaded.",
+            "Prometheus metrics (docs/metrics.md).",
+        ),
+    ]
+    schemes: dict[str, dict[str, Any]] = {}
+    if auth:
+        schemes = {
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "bearerFormat": "tg-<JWT>",
+                "description": "A Tollgate API key (`tollgate keys create`).",
+            },
+            "azureApiKey": {
+                "type": "apiKey",
+                "in": "header",
+                "name": "api-key",
+                "description": "The same key, as Azure-style OpenAI clients send it.",
+            },
+        }
+    return Api(
+        title="Tollgate router API",
+        summary="OpenAI-compatible chat and text completions for the models of the catalog.",
+        description="One OpenAI-compatible endpoint in front of every model of the catalog. "
+        "Responses are produced by vLLM's own OpenAI serving layer and relayed untouched. "
+        'Every error is OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}`.',
+        servers=[SAME_ORIGIN],
+        security_schemes=schemes,
+        operations=operations,
+        tags=("inference", "models", "operations"),
+    )
