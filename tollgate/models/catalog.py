@@ -92,6 +92,12 @@ class ModelEntry(BaseModel):
     max_model_len: int = Field(default=2048, ge=16)
     engine: Literal["vllm", "simulated"] = "vllm"
     engine_args: list[str] = Field(default_factory=list)
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="GPUs one worker uses: vLLM's --tensor-parallel-size, and the share of "
+        "the scaler's GPUs (TOLLGATE_SCALER_GPUS) each local worker gets.",
+    )
     cache: Literal["keep", "none"] = Field(
         default="keep",
         description="keep: prepared weights stay in the shared cache; none: each worker "
@@ -100,6 +106,17 @@ class ModelEntry(BaseModel):
     simulated: SimulatedEngineConfig | None = None
     prices: list[Price] = Field(default_factory=list, description="Billing prices over time.")
     scaling: ScalingPolicy = Field(default_factory=ScalingPolicy, description="Autoscaling.")
+
+    @model_validator(mode="after")
+    def _one_tensor_parallel_size(self) -> ModelEntry:
+        for arg in self.engine_args:
+            # vLLM's parser also takes underscores and --flag=value
+            if arg.split("=", 1)[0].replace("_", "-") in ("-tp", "--tensor-parallel-size"):
+                raise ValueError(
+                    f"{self.id}: set tensor_parallel_size, not {arg!r} in engine_args "
+                    "(the scaler sizes each worker's GPUs from it)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _simulated_defaults(self) -> ModelEntry:
