@@ -16,6 +16,7 @@ from aiohttp import web
 
 from services.worker.consumer import WorkerConsumer
 from services.worker.engine import Engine, ErrorResult
+from services.worker.lifetime import StartInterrupted, kill_engine_processes
 from services.worker.metrics import WorkerMetrics, create_http_app
 from services.worker.settings import WorkerSettings
 from tollgate.models.cache import hold_entry, prepare_model
@@ -105,6 +106,42 @@ def process_age_s() -> float | None:
     return max(0.0, since_boot - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
+async def start_or_stop(
+    engine: Engine, entry: ModelEntry, parts: dict[str, float], stop: asyncio.Event
+) -> bool:
+    """Start the engine and warm it up, unless told to stop first: then give the start up.
+
+    Returns whether the engine is ready. A stop arrives as ``stop`` while the
+    event loop runs, or as :class:`StartInterrupted` out of the engine's own
+    blocking start; either way the caller's ``engine.stop()`` shuts down what
+    did start.
+    """
+
+    async def start() -> None:
+        engine_started = time.monotonic()
+        await engine.start()
+        parts["engine"] = round(time.monotonic() - engine_started, 3)
+        warm_started = time.monotonic()
+        await warm_up(engine, entry)
+        parts["warmup"] = round(time.monotonic() - warm_started, 3)
+
+    starting = asyncio.create_task(start(), name="engine-start")
+    signalled = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        signalled.cancel()
+    if not starting.done():
+        starting.cancel()
+    try:
+        await starting
+    except (StartInterrupted, asyncio.CancelledError):
+        if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            raise  # we are cancelled ourselves, not the start
+        return False
+    return not stop.is_set()
+
+
 async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     """Serve one model until SIGTERM/SIGINT or a drain request, then drain."""
     entry = load_catalog(common.catalog).get(settings.model)
@@ -147,12 +184,10 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
         http = await httpserver.start(app, settings.host, settings.port, limits=HttpLimits())
     await consumer.announce()
     try:
-        engine_started = time.monotonic()
-        await engine.start()
-        parts["engine"] = round(time.monotonic() - engine_started, 3)
-        warm_started = time.monotonic()
-        await warm_up(engine, entry)
-        parts["warmup"] = round(time.monotonic() - warm_started, 3)
+        if not await start_or_stop(engine, entry, parts, stop):
+            log.info("stopped while the engine was starting", extra={"model": entry.id})
+            await consumer.drain()
+            return
         log.info(
             "engine ready",
             extra={
@@ -172,6 +207,9 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
         await consumer.drain()
     finally:
         await engine.stop()
+        left = kill_engine_processes()
+        if left:
+            log.warning("engine processes left after its shutdown, killed", extra={"pids": left})
         await bus.close(nc)
         if http is not None:
             await http.cleanup()

@@ -26,6 +26,7 @@ from services.worker.engine import (
     StreamResult,
     current_tally,
 )
+from services.worker.lifetime import guard_engine_processes, interrupted_by_stop_signals
 from tollgate.models.catalog import ModelEntry
 from tollgate.wire.contracts import Endpoint, Usage
 
@@ -62,6 +63,8 @@ def build_engine_argv(entry: ModelEntry, model_path: Path) -> list[str]:
         *entry.names,
         "--max-model-len",
         str(entry.max_model_len),
+        "--tensor-parallel-size",
+        str(entry.tensor_parallel_size),
         *entry.engine_args,
     ]
 
@@ -127,25 +130,40 @@ class VllmEngine:
         from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.launchers.api_server.entry import (
-            build_async_engine_client_from_engine_args,
-        )
         from vllm.entrypoints.launchers.cli_args import (
             make_arg_parser,
             validate_parsed_serve_args,
         )
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.usage.usage_lib import UsageContext
         from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         parser = make_arg_parser(FlexibleArgumentParser())  # type: ignore[no-untyped-call]
         args = parser.parse_args(build_engine_argv(self.entry, self.model_path))
         validate_parsed_serve_args(args)
         self._args = args
         engine_args = AsyncEngineArgs.from_cli_args(args)
-        client = await self._stack.enter_async_context(
-            build_async_engine_client_from_engine_args(engine_args)
-        )
+        guard_engine_processes()  # the engine core dies with this process
+        # What vllm serve's build_async_engine_client_from_engine_args does,
+        # without its context manager: building the client blocks this thread
+        # (and the event loop) until the engine core has loaded, so a stop
+        # signal has to interrupt it here (vLLM shuts the half-started engine
+        # core down on the way out).
+        with interrupted_by_stop_signals():
+            vllm_config = engine_args.create_engine_config(
+                usage_context=UsageContext.OPENAI_API_SERVER
+            )
+            client = AsyncLLM.from_vllm_config(
+                vllm_config=vllm_config,
+                usage_context=UsageContext.OPENAI_API_SERVER,
+                enable_log_requests=engine_args.enable_log_requests,
+                aggregate_engine_logging=engine_args.aggregate_engine_logging,
+                disable_log_stats=engine_args.disable_log_stats,
+            )
+            self._stack.callback(client.shutdown, timeout=vllm_config.shutdown_timeout)
+        await client.reset_mm_cache()  # no dummy multimodal data kept in memory
         self._client = client
         self.slots_total = int(client.vllm_config.scheduler_config.max_num_seqs)
         state = State()
