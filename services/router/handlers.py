@@ -118,35 +118,56 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _relay(request, Endpoint.COMPLETIONS)
 
 
+# gen_ai.operation.name of each endpoint (the GenAI semantic conventions' values)
+_OPERATIONS = {Endpoint.CHAT: "chat", Endpoint.COMPLETIONS: "text_completion"}
+
+
+def _span_attributes(request: web.Request, endpoint: Endpoint, request_id: str) -> dict[str, Any]:
+    """What a call's span knows before the body is read: the route and who was called."""
+    attributes: dict[str, Any] = {
+        "tollgate.request_id": request_id,
+        tracing.HTTP_METHOD: request.method,
+        tracing.HTTP_ROUTE: f"/v1/{endpoint.value.replace('.', '/')}",
+    }
+    # The address the client called (its Host header), as HTTP server spans name it;
+    # a Host that is not a valid authority leaves them out.
+    try:
+        url = request.url
+        attributes[tracing.SERVER_ADDRESS] = url.host
+        attributes[tracing.SERVER_PORT] = url.port
+    except ValueError:
+        pass
+    return attributes
+
+
 async def _relay(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     request_id = uuid.uuid4().hex
     request_id_var.set(request_id)  # every log line about this call carries it
-    with tracing.span(f"POST /v1/{endpoint.value.replace('.', '/')}") as span:
-        if span is not None:
-            span.set_attribute("tollgate.request_id", request_id)
+    attributes = _span_attributes(request, endpoint, request_id) if tracing.active() else None
+    with tracing.inference_span(_OPERATIONS[endpoint], attributes) as span:
         return await _serve_call(request, endpoint, request_id, span)
 
 
 async def _serve_call(
-    request: web.Request, endpoint: Endpoint, request_id: str, span: Any
+    request: web.Request, endpoint: Endpoint, request_id: str, span: tracing.InferenceSpan | None
 ) -> web.StreamResponse:
     serving = request.app[SERVING]
     try:
         principal = _principal(request)
         prepared = serving.parse(endpoint, await _read_body(request))
+        if span is not None:
+            span.request(prepared.body["model"], prepared.body, _choices(endpoint, prepared.body))
+            span.set("tollgate.tenant", principal.tenant if principal else "anonymous")
         if endpoint is Endpoint.COMPLETIONS:
             _check_prompts(request, prepared.body["prompt"])
         if principal is not None:
             request.app[KEYS].authorize(principal, prepared.entry, prepared.body["model"])
-        if span is not None:
-            span.set_attribute("gen_ai.request.model", prepared.entry.id)
-            span.set_attribute("tollgate.tenant", principal.tenant if principal else "anonymous")
         # a replayed request (tollgate replay) is not captured again: only a replay key's
         replayed = replay_exempt(principal.record if principal else None, request.headers)
         call = await serving.submit(prepared, request_id, principal, capture=not replayed)
     except TollgateError as exc:
         if span is not None:
-            span.set_attribute("http.response.status_code", exc.status)
+            span.ended(exc.status, exc.code or exc.type)
         if not isinstance(exc, ServiceUnavailable):  # an accepted request: counted when it ends
             request.app[METRICS].rejected.labels(exc.code or exc.type).inc()
         ending = "client closed the request" if exc.status == 499 else "request refused"
@@ -156,6 +177,14 @@ async def _serve_call(
     if prepared.stream:
         return await _stream(request, life)
     return await _full(request, life)
+
+
+def _choices(endpoint: Endpoint, body: dict[str, Any]) -> int:
+    """How many generations the response holds: ``n`` for each prompt."""
+    per_prompt = body.get("n") or 1
+    if endpoint is Endpoint.COMPLETIONS:
+        return int(per_prompt) * len(prompts_of(body["prompt"]))
+    return int(per_prompt)
 
 
 def _check_prompts(request: web.Request, prompt: Any) -> None:

@@ -30,6 +30,7 @@ from services.router.protocol import ChatCompletionBody, CompletionBody, normali
 from services.router.settings import RouterSettings
 from services.router.usage import UsagePublisher
 from tollgate.models.catalog import Catalog, ModelEntry
+from tollgate.runtime import tracing
 from tollgate.runtime.workers import WorkerView
 from tollgate.wire.contracts import (
     ChunkKind,
@@ -258,6 +259,7 @@ class OpenAIServing:
         tick = self.settings.first_byte_wait_s
         expected = 0
         queue = call.queue
+        span = tracing.current_call()  # the call's span, when tracing is on
         while True:
             if queue.empty():
                 now = loop.time()
@@ -300,6 +302,13 @@ class OpenAIServing:
                     call.delivered = chunk.usage
                 if call.captured is not None and chunk.data is not None:
                     call.captured.append(chunk.data)
+                if span is not None and chunk.data is not None:
+                    if prepared.stream:
+                        span.response_event(chunk.data)
+                    else:
+                        span.response_body(chunk.data)
+            elif kind is ChunkKind.ERROR and span is not None:
+                span.worker_error(chunk.data or "")
             if kind is ChunkKind.USAGE and not prepared.wants_usage:
                 continue
             if kind is ChunkKind.END and chunk.outcome is Outcome.EXPIRED:
@@ -323,6 +332,9 @@ class OpenAIServing:
 
     def _finish_later(self, call: Call, prepared: Prepared, ending: Ending) -> None:
         """Finish the call after the response has gone out (never delays the client)."""
+        # Called as the handler leaves the call's life, while its span is open.
+        if (span := tracing.current_call()) is not None:
+            _trace_ending(span, call, ending)
         task = asyncio.create_task(self.finish(call, prepared, ending))
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
@@ -412,6 +424,22 @@ class OpenAIServing:
                 cut_off = not nc.is_connected or nc.stats["reconnects"] != reconnects
                 if not cut_off or time.monotonic() >= give_up:
                     return None
+
+
+def _trace_ending(span: tracing.InferenceSpan, call: Call, ending: Ending) -> None:
+    """The span's token counts and ending: the engine's counts as billed, or what was relayed.
+
+    A call that did not complete names its outcome as its ``error.type``
+    (``client_disconnected``, ``worker_lost``, ``deadline_exceeded``, ...),
+    unless the engine's own error response named it first.
+    """
+    end = ending.end
+    usage = end.usage if end is not None and end.usage is not None else call.delivered
+    if usage is not None:
+        span.usage(usage.prompt_tokens, usage.completion_tokens)
+    outcome = ending.outcome or (end.outcome if end is not None else None)
+    failed = None if outcome is None or outcome is Outcome.COMPLETED else outcome.value
+    span.ended(ending.status, failed)
 
 
 def _since(start: float, end: float | None) -> float | None:

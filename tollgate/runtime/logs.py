@@ -1,4 +1,4 @@
-"""JSON-lines logging with the service name and the current request id."""
+"""JSON-lines logging with the service name, the current request id and trace ids."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from contextvars import ContextVar
 from typing import Any
 
 import orjson
+
+from tollgate.runtime.tracing import current_ids
 
 request_id_var: ContextVar[str | None] = ContextVar("tollgate_request_id", default=None)
 
@@ -34,6 +36,10 @@ class JsonFormatter(logging.Formatter):
         request_id = getattr(record, "request_id", None) or request_id_var.get()
         if request_id:
             entry["request_id"] = request_id
+        # A line written while a traced call is handled names its trace and span,
+        # so a log search and a trace backend find each other's records.
+        if (ids := current_ids()) is not None:
+            entry["trace_id"], entry["span_id"] = ids
         for key, value in record.__dict__.items():
             if key not in _RESERVED and key not in entry and not key.startswith("_"):
                 entry[key] = value
