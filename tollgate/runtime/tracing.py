@@ -253,7 +253,7 @@ def current_call() -> InferenceSpan | None:
 
 
 # A choice's finish reason in an SSE event, when it is set (a string, not null).
-_FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"')
+_FINISH_REASON = re.compile(r'"finish_reason"\s*:\s*"')
 
 
 class InferenceSpan:
@@ -306,14 +306,13 @@ class InferenceSpan:
         Only the first event (for the response's id and model) and the events
         that set a finish reason are parsed: the others pass untouched.
         """
-        raw = text.encode()
-        if self._seen_response and _FINISH_REASON.search(raw) is None:
+        if self._seen_response and _FINISH_REASON.search(text) is None:
             return
-        start = raw.find(b"{")
+        start = text.find("{")
         if start < 0:
             return  # data: [DONE], or a comment
         try:
-            event = orjson.loads(raw[start:])
+            event = orjson.loads(text[start:])
         except orjson.JSONDecodeError:
             return
         if isinstance(event, dict):
