@@ -26,7 +26,7 @@ def test_ttl_and_budget_parsing() -> None:
         parse_budget("100/week")
 
 
-def keys(stack: Stack, *args: str) -> str:
+def keys(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **stack.env()}
     done = subprocess.run(
         [sys.executable, "-m", "tollgate.app.cli", "keys", *args],
@@ -36,7 +36,7 @@ def keys(stack: Stack, *args: str) -> str:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    return done.stdout
+    return done
 
 
 @pytest.mark.usefixtures("sim_workers")
@@ -57,9 +57,10 @@ def test_create_list_update_revoke(stack: Stack, router_url: str, api_key: str) 
         "--ttl",
         "30d",
     )
-    token = out.strip().splitlines()[-1]
-    key_id = out.split("key id: ")[1].split()[0]
-    assert token.startswith("tg-")
+    # the key alone on stdout (KEY=$(tollgate keys create ...)), its id on stderr
+    token = out.stdout.removesuffix("\n")
+    key_id = out.stderr.split("key id: ")[1].split()[0]
+    assert token.startswith("tg-") and "\n" not in token
     headers = {"Authorization": f"Bearer {token}"}
     body = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     url = f"{router_url}/v1/chat/completions"
@@ -69,7 +70,7 @@ def test_create_list_update_revoke(stack: Stack, router_url: str, api_key: str) 
         time.sleep(0.02)
     assert r.headers["x-ratelimit-limit-requests"] == "60"
 
-    listing = keys(stack, "list")
+    listing = keys(stack, "list").stdout
     assert key_id in listing and "cli-co" in listing and token not in listing
 
     keys(stack, "update", key_id, "--models", SLOW_MODEL)

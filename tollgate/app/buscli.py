@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeAlias
 
 from tollgate.app.busauth import Identities, TlsFiles, make_certificates, server_config
 from tollgate.wire.permissions import describe
@@ -14,29 +16,33 @@ from tollgate.wire.topology import Role, Topology
 DEFAULT_DIR = Path("var/nats/identities")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    bus = sub.add_parser("bus", help="identities and permissions on NATS")
-    actions = bus.add_subparsers(dest="action", required=True)
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+# cli.command: adds a subcommand with its one-line summary
+Command = Callable[[Subcommands, str, str], argparse.ArgumentParser]
 
-    ids = actions.add_parser(
-        "identities", help="create each role's nkey seed (kept if present); print public keys"
-    )
+
+def add_parser(sub: Subcommands, command: Command) -> None:
+    """``tollgate bus`` and its actions; ``command`` adds one with its one-line summary."""
+    bus = command(sub, "bus", "identities, permissions and TLS files for NATS")
+    actions = bus.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    ids = command(actions, "identities", "create each role's nkey seed; print public keys")
     ids.add_argument("--rotate", type=Role, help="new seed for ROLE; the old one stays admitted")
     ids.add_argument("--retire", type=Role, help="stop admitting ROLE's previous seed")
 
-    config = actions.add_parser("config", help="print nats-server's authorization (and TLS)")
-    config.add_argument("--tls-cert", type=Path)
-    config.add_argument("--tls-key", type=Path)
-    config.add_argument("--tls-ca", type=Path)
+    config = command(actions, "config", "print nats-server's authorization (and TLS)")
+    config.add_argument("--tls-cert", type=Path, help="the server's certificate (PEM)")
+    config.add_argument("--tls-key", type=Path, help="the server certificate's key (PEM)")
+    config.add_argument("--tls-ca", type=Path, help="the CA clients are verified with (PEM)")
     config.add_argument(
         "--verify-clients", action="store_true", help="mutual TLS: clients show a certificate"
     )
 
-    perms = actions.add_parser("permissions", help="the permission table (Markdown)")
-    perms.add_argument("--prefix", default="tg")
+    perms = command(actions, "permissions", "the permission table (Markdown)")
+    perms.add_argument("--prefix", default="tg", help="subject prefix")
 
-    certs = actions.add_parser("certs", help="a private CA and a server certificate")
-    certs.add_argument("--out", type=Path, required=True)
+    certs = command(actions, "certs", "a private CA and a server certificate")
+    certs.add_argument("--out", type=Path, required=True, help="folder to write them to")
     certs.add_argument("--host", action="append", required=True, help="name or IP (repeatable)")
 
     for p in (ids, config):

@@ -17,6 +17,9 @@ from tollgate.models.catalog import load_catalog
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire.topology import Role
 
+# Commands that run a service: its own module parses the rest of the line.
+SERVICES = ("router", "worker", "auth", "metering", "scaler")
+
 
 def _run_service(module: str, argv: list[str]) -> int:
     # Services are started by module name: the library never imports them.
@@ -118,8 +121,10 @@ async def _keys_async(ns: argparse.Namespace) -> int:
             if ns.replay:  # a replay identity: its X-Tollgate-Replay calls are not captured
                 limits["replay"] = True
             token, record = await store.create(signing, tenant=ns.tenant, ttl_s=ns.ttl, **limits)
-            print(f"key id: {record.key_id}\ntenant: {record.tenant}")
-            print(f"API key (shown once, store it now):\n{token}")
+            # The key alone on stdout, so that `KEY=$(tollgate keys create ...)` holds it.
+            print(f"key id: {record.key_id}\ntenant: {record.tenant}", file=sys.stderr)
+            print("API key on stdout (shown once, store it now)", file=sys.stderr)
+            print(token)
             return 0
         if ns.action == "list":
             for r in sorted(await store.all(), key=lambda r: r.created_at):
@@ -232,9 +237,7 @@ async def _scaler_status_async(as_json: bool) -> int:
 
 
 def _scaler_status(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tollgate scaler status")
-    parser.add_argument("--json", action="store_true")
-    ns = parser.parse_args(argv)
+    ns = scaler_status_parser().parse_args(argv)
     return asyncio.run(_scaler_status_async(ns.json))
 
 
@@ -290,55 +293,85 @@ def _day(text: str) -> date:
         raise argparse.ArgumentTypeError(f"expected a date like 2026-11-01: {text!r}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["scaler", "status"]:
-        return _scaler_status(argv[2:])
-    if argv and argv[0] in ("router", "worker", "auth", "metering", "scaler"):
-        return _run_service(f"services.{argv[0]}", argv[1:])
-    parser = argparse.ArgumentParser(prog="tollgate", description="Tollgate LLM gateway")
-    sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start the whole stack on this machine")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument(
-        "--port",
-        type=int,
-        action="append",
-        help="router port (default 8080); repeat it to run one router per port",
+class HelpFormatter(argparse.HelpFormatter):
+    """Keeps each subcommand's summary on its name's line.
+
+    argparse (3.11) measures subcommand names without the indent they are
+    listed with, so a long name pushed its summary onto a line of its own.
+    """
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if action.help is argparse.SUPPRESS:
+            return
+        for subaction in self._iter_indented_subactions(action):
+            width = len(self._format_action_invocation(subaction)) + self._current_indent
+            self._action_max_length = max(self._action_max_length, width)
+
+
+def command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    summary: str,
+) -> argparse.ArgumentParser:
+    """A subcommand whose one-line summary is its entry in the parent's list and its --help."""
+    return sub.add_parser(name, help=summary, description=summary, formatter_class=HelpFormatter)
+
+
+def scaler_status_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tollgate scaler status",
+        formatter_class=HelpFormatter,
+        description="each model's replicas and the scaler's last decisions",
     )
-    up.add_argument("--nats-port", type=int, default=4222)
-    up.add_argument("--auth-port", type=int, default=8081)
-    up.add_argument("--metering-port", type=int, default=8082)
-    up.add_argument("--scaler-port", type=int, default=8083)
+    parser.add_argument("--json", action="store_true", help="the scaler's answer as JSON")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tollgate`` command tree (the services parse their own arguments)."""
+    parser = argparse.ArgumentParser(
+        prog="tollgate",
+        formatter_class=HelpFormatter,
+        description="Tollgate: self-hosted LLMs behind one OpenAI-compatible endpoint",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    up = command(sub, "up", "start the whole stack on this machine")
+    up.add_argument("--host", default="127.0.0.1", help="the router's address")
+    up.add_argument("--port", type=int, default=8080, help="the router's port")
+    up.add_argument("--nats-port", type=int, default=4222, help="nats-server's port")
+    up.add_argument("--auth-port", type=int, default=8081, help="the auth service's port")
+    up.add_argument("--metering-port", type=int, default=8082, help="the metering service's port")
+    up.add_argument("--scaler-port", type=int, default=8083, help="the scaler's port")
     up.add_argument(
         "--model", action="append", help="model to keep warm, at one worker or more (repeatable)"
     )
     up.set_defaults(func=_up)
-    models = sub.add_parser("models", help="the model catalog")
+    models = command(sub, "models", "list, prepare, verify and remove the catalog's models")
     models.add_argument(
         "action",
         choices=["list", "prepare", "pull", "rm", "verify"],
         help="list the catalog and cache; prepare/pull weights; rm from the cache; "
         "verify sizes and sha256",
     )
-    models.add_argument("ids", nargs="*")
+    models.add_argument("ids", nargs="*", help="catalog model ids (default: every model)")
     models.add_argument("--fix", action="store_true", help="verify: prepare corrupt entries again")
     models.set_defaults(func=_models)
-    keys = sub.add_parser("keys", help="API keys (the whitelist in NATS KV)")
-    key_actions = keys.add_subparsers(dest="action", required=True)
-    create = key_actions.add_parser("create", help="issue a key; the token is shown once")
-    create.add_argument("--tenant", required=True)
+    keys = command(sub, "keys", "issue, list, change and revoke API keys (the whitelist)")
+    key_actions = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = command(key_actions, "create", "issue a key; the key alone goes to stdout, shown once")
+    create.add_argument("--tenant", required=True, help="who is billed for the key's calls")
     create.add_argument("--ttl", type=parse_ttl, default=None, help="30d, 12h, ... or never")
     create.add_argument(
         "--replay",
         action="store_true",
         help="a replay identity for `tollgate replay`: its replayed calls are not captured again",
     )
-    update = key_actions.add_parser("update", help="change a key's models, limits or expiry")
-    update.add_argument("key_id")
+    update = command(key_actions, "update", "change a key's models, limits or expiry")
+    update.add_argument("key_id", help="the key's id (from `keys list`)")
     update.add_argument("--ttl", type=parse_ttl, default=False, help="30d, 12h, ... or never")
     for p in (create, update):
-        p.add_argument("--name")
+        p.add_argument("--name", help="a label for the key")
         p.add_argument("--models", help="comma-separated ids or globs, e.g. 'SmolLM2-*'")
         p.add_argument("--rpm", type=int, help="requests per minute")
         p.add_argument("--tpm", type=int, help="tokens per minute")
@@ -348,43 +381,67 @@ def main(argv: list[str] | None = None) -> int:
             choices=["on", "off"],
             help="keep this key's requests and responses in ClickHouse (exchanges)",
         )
-    key_actions.add_parser("list", help="every key, without tokens")
-    key_actions.add_parser("revoke", help="revoke a key at once").add_argument("key_id")
+    command(key_actions, "list", "every key, without tokens")
+    revoke = command(key_actions, "revoke", "revoke a key at once")
+    revoke.add_argument("key_id", help="the key's id (from `keys list`)")
     keys.set_defaults(func=_keys)
-    usage = sub.add_parser("usage", help="usage and cost, from the metering service")
-    usage_actions = usage.add_subparsers(dest="action", required=True)
-    report = usage_actions.add_parser("report", help="one tenant's usage and cost")
-    report.add_argument("--tenant", required=True)
+    usage = command(sub, "usage", "usage and cost, from the metering service")
+    usage_actions = usage.add_subparsers(dest="action", required=True, metavar="ACTION")
+    report = command(usage_actions, "report", "one tenant's usage and cost")
+    report.add_argument("--tenant", required=True, help="the tenant to report on")
     first_of_month = date.today().replace(day=1)
-    report.add_argument("--from", dest="start", type=_day, default=first_of_month)
-    report.add_argument("--to", dest="end", type=_day, default=date.today() + timedelta(days=1))
-    report.add_argument("--by", choices=["model", "key", "day"], default="model")
-    sql = sub.add_parser("sql", help="a read-only ClickHouse query on the usage data")
-    sql.add_argument("statement")
+    report.add_argument(
+        "--from",
+        dest="start",
+        type=_day,
+        default=first_of_month,
+        help="first day (default: the first of this month)",
+    )
+    report.add_argument(
+        "--to",
+        dest="end",
+        type=_day,
+        default=date.today() + timedelta(days=1),
+        help="the day after the last (default: tomorrow)",
+    )
+    report.add_argument(
+        "--by", choices=["model", "key", "day"], default="model", help="one row per ..."
+    )
+    sql = command(sub, "sql", "a read-only ClickHouse query on the usage data")
+    sql.add_argument("statement", help="one SELECT statement")
     for p in (report, sql):
-        p.add_argument("--format", choices=["table", "csv", "json"], default="table")
-        p.add_argument("--max-rows", type=int, default=10_000)
+        p.add_argument(
+            "--format", choices=["table", "csv", "json"], default="table", help="output format"
+        )
+        p.add_argument("--max-rows", type=int, default=10_000, help="at most this many rows")
     report.set_defaults(func=_usage)
     sql.set_defaults(func=_sql)
-    rp = sub.add_parser("replay", help="send captured requests to a model again and compare")
+    rp = command(sub, "replay", "send captured requests to a model again and compare")
     rp.add_argument("--where", required=True, help="SQL condition on the exchanges table")
     rp.add_argument("--model", required=True, help="model to send them to")
-    rp.add_argument("--limit", type=int, default=20)
+    rp.add_argument("--limit", type=int, default=20, help="at most this many requests")
     rp.add_argument("--base-url", default="http://127.0.0.1:8080", help="the router")
     rp.add_argument("--api-key", help="key to call with (default: TOLLGATE_API_KEY, demo key)")
-    rp.add_argument("--concurrency", type=int, default=4)
+    rp.add_argument("--concurrency", type=int, default=4, help="requests in flight at once")
     rp.add_argument("--out", help="report file (default replay-<id>.md; JSON beside it)")
     rp.set_defaults(func=_replay)
-    buscli.add_parser(sub)
-    sub.add_parser("metering", help="run the metering service; `metering migrate`: the schema")
-    sub.add_parser(
-        "scaler",
-        help="run the scaler; `scaler status`: replicas and decisions; `scaler simulate`",
-    )
-    sub.add_parser("router", help="run the router (python -m services.router)")
-    sub.add_parser("auth", help="run the auth service (python -m services.auth)")
-    sub.add_parser("worker", help="run a worker (python -m services.worker --model ID)")
-    ns = parser.parse_args(argv)
+    buscli.add_parser(sub, command)
+    # Run by module name before this parser is reached (see main); listed for --help.
+    command(sub, "metering", "run the metering service; `metering migrate`: the schema")
+    command(sub, "scaler", "run the scaler; see also `scaler status`, `scaler simulate`")
+    command(sub, "router", "run the router, the OpenAI-compatible edge")
+    command(sub, "auth", "run the auth service (admin API, budgets)")
+    command(sub, "worker", "run a worker serving one model (--model ID)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["scaler", "status"]:
+        return _scaler_status(argv[2:])
+    if argv and argv[0] in SERVICES:
+        return _run_service(f"services.{argv[0]}", argv[1:])
+    ns = build_parser().parse_args(argv)
     result: int = ns.func(ns)
     return result
 

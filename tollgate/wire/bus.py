@@ -48,6 +48,22 @@ class Access:
         return f"Access(seed={'set' if self.seed else None}, tls={self.tls is not None})"
 
 
+class _TlsEofNoise(logging.Filter):
+    """Drops asyncio's warning that a TLS connection's end was half-closed.
+
+    nats.py upgrades its socket to TLS after connecting, so asyncio's stream
+    protocol does not know it runs over TLS, and when a connection closes
+    asyncio logs "returning true from eof_received() has no effect when using
+    ssl" (nats-io/nats.py#574). The connection still closes as it should.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+_TLS_EOF_NOISE = _TlsEofNoise()
+
+
 def _refused(exc: BaseException) -> bool:
     text = str(exc).lower()
     return isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in text
@@ -68,11 +84,18 @@ async def connect(url: str, name: str, access: Access | None = None) -> NATS:
         log.warning("nats error: %s: %s", type(exc).__name__, exc)
 
     async def on_disconnected() -> None:
-        log.warning("nats disconnected")
+        # nats.py calls this on every close as well, this process's own drain
+        # included: only a connection lost while in use (it reconnects) is news.
+        if nc.is_closed:
+            log.debug("nats connection closed")
+        else:
+            log.warning("nats disconnected")
 
     async def on_reconnected() -> None:
         log.info("nats reconnected")
 
+    if access.tls is not None:
+        logging.getLogger("asyncio").addFilter(_TLS_EOF_NOISE)
     delay = 0.2
     while True:
         refused.clear()
