@@ -338,7 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     up = command(sub, "up", "start the whole stack on this machine")
     up.add_argument("--host", default="127.0.0.1", help="the router's address")
-    up.add_argument("--port", type=int, default=8080, help="the router's port")
+    up.add_argument(
+        "--port",
+        type=int,
+        action="append",
+        help="a router's port (default 8080); repeat it to run one router per port",
+    )
     up.add_argument("--nats-port", type=int, default=4222, help="nats-server's port")
     up.add_argument("--auth-port", type=int, default=8081, help="the auth service's port")
     up.add_argument("--metering-port", type=int, default=8082, help="the metering service's port")
