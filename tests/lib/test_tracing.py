@@ -86,6 +86,13 @@ def test_request_attributes_leave_out_what_the_client_did_not_set() -> None:
     assert {k: v for k, v in attributes.items() if v is not None} == {"gen_ai.request.model": "m"}
 
 
+def test_request_attributes_stay_small() -> None:
+    body = {"model": "m", "stop": [f"{i}" * 1000 for i in range(10)] * 10}
+    stops = tracing.request_attributes("chat", "m", body)["gen_ai.request.stop_sequences"]
+    assert len(stops) == tracing.MAX_STOP_SEQUENCES
+    assert stops[1] == "1" * tracing.MAX_ATTRIBUTE_CHARS
+
+
 def test_a_call_that_is_not_streamed(exported: InMemorySpanExporter) -> None:
     with tracing.inference_span("chat", {"tollgate.request_id": "r1"}) as call:
         assert call is not None and tracing.current_call() is call

@@ -328,7 +328,7 @@ class InferenceSpan:
             error = body.get("error") if isinstance(body, dict) else None
             value = error.get("type") if isinstance(error, dict) else None
             if isinstance(value, str) and value:
-                error_type = value
+                error_type = value[:MAX_ATTRIBUTE_CHARS]
         self.fail(error_type)
 
     def usage(self, input_tokens: int, output_tokens: int) -> None:
@@ -342,7 +342,7 @@ class InferenceSpan:
         for key, attribute in (("id", RESPONSE_ID), ("model", RESPONSE_MODEL)):
             value = body.get(key)
             if isinstance(value, str):
-                self.span.set_attribute(attribute, value)
+                self.span.set_attribute(attribute, value[:MAX_ATTRIBUTE_CHARS])
 
     def _choices(self, choices: Any) -> None:
         if not isinstance(choices, list):
@@ -353,8 +353,8 @@ class InferenceSpan:
                 continue
             reason = choice.get("finish_reason")
             index = choice.get("index", position)
-            if isinstance(reason, str) and isinstance(index, int):
-                self._finish_reasons[index] = reason
+            if isinstance(reason, str) and isinstance(index, int) and 0 <= index < 1 << 16:
+                self._finish_reasons[index] = reason[:MAX_ATTRIBUTE_CHARS]
                 changed = True
         if changed:
             self._set_finish_reasons(fill=False)
@@ -454,9 +454,15 @@ def _float(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
+# A span stays small whatever a body holds: the stop sequences it lists, and
+# how long each may be (vLLM bounds neither).
+MAX_STOP_SEQUENCES = 16
+MAX_ATTRIBUTE_CHARS = 256
+
+
 def _strings(value: Any) -> list[str] | None:
     if isinstance(value, str):
-        return [value]
+        value = [value]
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        return list(value)
+        return [v[:MAX_ATTRIBUTE_CHARS] for v in value[:MAX_STOP_SEQUENCES]]
     return None
