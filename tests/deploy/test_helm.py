@@ -50,6 +50,7 @@ from tests.deploy.manifests import (
 from tollgate.models.catalog import load_catalog
 
 CHART = HELM / "tollgate"
+OVERLAYS = BASE.parent / "overlays"
 RELEASE = "tollgate"
 NAMESPACE = "tollgate"
 INSTANCE = "app.kubernetes.io/instance"
@@ -94,9 +95,9 @@ def notes(values: dict[str, Any] | None = None) -> str:
 
 
 @functools.cache
-def _base_text() -> str:
+def _kustomize_text(path: Path) -> str:
     out = subprocess.run(
-        [kubectl(), "kustomize", str(BASE)],
+        [kubectl(), "kustomize", str(path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -106,9 +107,13 @@ def _base_text() -> str:
     return re.sub(r"\btollgate-catalog-[a-z0-9]{10}\b", "tollgate-catalog", out.stdout)
 
 
-def kustomize_base() -> list[dict[str, Any]]:
-    """The kustomize base as kubectl builds it (a fresh copy each call)."""
-    return [d for d in yaml.safe_load_all(_base_text()) if d]
+def kustomize(path: Path = BASE) -> list[dict[str, Any]]:
+    """The base or an overlay as kubectl builds it (a fresh copy each call)."""
+    return [d for d in yaml.safe_load_all(_kustomize_text(path)) if d]
+
+
+def ci_values(name: str) -> dict[str, Any]:
+    return dict(yaml.safe_load((CHART / "ci" / f"{name}-values.yaml").read_text()))
 
 
 def by_key(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -186,10 +191,11 @@ def differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     if kind == "ValidatingAdmissionPolicy":
         ours, theirs = expressions_spaced_alike(ours), expressions_spaced_alike(theirs)
     if kind == "RoleBinding":
-        # Helm names the account's namespace; kustomize's overlays add it
-        ours["subjects"] = [
-            {k: v for k, v in s.items() if k != "namespace"} for s in ours["subjects"]
-        ]
+        # Helm names the account's namespace; the base leaves it to the overlays
+        if all("namespace" not in subject for subject in theirs["subjects"]):
+            ours["subjects"] = [
+                {k: v for k, v in s.items() if k != "namespace"} for s in ours["subjects"]
+            ]
     for field in sorted((set(ours) | set(theirs)) - {"metadata"}):
         if ours.get(field) != theirs.get(field):
             found.append(
@@ -198,8 +204,20 @@ def differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     return found
 
 
-def test_default_values_render_the_kustomize_base() -> None:
-    ours, base = by_key(render()), by_key(kustomize_base())
+# kustomize's build, and the values and namespace that give the chart's equal
+KUSTOMIZE = {
+    "base": (BASE, None, NAMESPACE),
+    "dev": (OVERLAYS / "dev", "dev", "tollgate-dev"),
+    "prod": (OVERLAYS / "prod", "prod", "tollgate"),
+}
+
+
+@pytest.mark.parametrize("build", KUSTOMIZE)
+def test_the_chart_renders_what_kustomize_builds(build: str) -> None:
+    """Default values give the base; ci/dev-values.yaml and ci/prod-values.yaml the overlays."""
+    path, values, namespace = KUSTOMIZE[build]
+    ours = by_key(render(ci_values(values) if values else {}, namespace=namespace))
+    base = by_key(kustomize(path))
     assert set(ours) == set(base), (
         f"only in the chart: {sorted(set(ours) - set(base))}; "
         f"only in the base: {sorted(set(base) - set(ours))}"
@@ -209,7 +227,7 @@ def test_default_values_render_the_kustomize_base() -> None:
 
 
 def test_the_comparison_catches_a_drift() -> None:
-    base = by_key(kustomize_base())
+    base = by_key(kustomize())
     ours = by_key(render({"router": {"resources": {"limits": {"memory": "2Gi"}}}}))
     [found] = differences(
         ours[("Deployment", "tollgate-router")], base[("Deployment", "tollgate-router")]
@@ -243,7 +261,13 @@ EVERYTHING = {
     },
 }
 LOCAL = {"scaler": {"backend": "local", "resources": {"limits": {"nvidia.com/gpu": "1"}}}}
-VALUE_SETS = {"defaults": {}, "everything": EVERYTHING, "local-backend": LOCAL}
+VALUE_SETS = {
+    "defaults": {},
+    "everything": EVERYTHING,
+    "local-backend": LOCAL,
+    "dev": ci_values("dev"),
+    "prod": ci_values("prod"),
+}
 
 
 def validate(doc: dict[str, Any], version: str) -> None:
