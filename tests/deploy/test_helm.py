@@ -593,6 +593,12 @@ def test_values_the_chart_does_not_know_are_refused() -> None:
             "models": {"Qwen": {"catalog": "x = 1", "worker": {"name": "Q_7"}}}
         },
     }
+    # and two models whose workers would share a Deployment
+    twin = {
+        "catalog": 'source = "hf://HuggingFaceTB/SmolLM2-135M-Instruct"',
+        "worker": {"name": "smollm2"},
+    }
+    refused["both have the worker tollgate-worker-smollm2"] = {"models": {"SmolLM2-twin": twin}}
     for where, values in refused.items():
         with pytest.raises(helm.HelmError, match=re.escape(where)):
             render(values)

@@ -66,6 +66,7 @@ None with the local backend.
 */}}
 {{- define "tollgate.workers" -}}
 {{- $out := list }}
+{{- $seen := dict }}
 {{- if eq .Values.scaler.backend "kubernetes" }}
 {{- range $model, $spec := .Values.models }}
 {{- /* key by key: mergeOverwrite would not let `enabled: false` or `replicas: 0` win */}}
@@ -77,6 +78,10 @@ None with the local backend.
 {{- $slug := regexReplaceAll "[^a-z0-9]+" (lower $model) "-" | trunc 40 | trimAll "-" }}
 {{- $name := default $slug $w.name }}
 {{- $deployment := printf "%s-worker-%s" (include "tollgate.fullname" $) $name }}
+{{- if hasKey $seen $deployment }}
+{{- fail (printf "models: %s and %s both have the worker %s (set worker.name)" (get $seen $deployment) $model $deployment) }}
+{{- end }}
+{{- $_ := set $seen $deployment $model }}
 {{- $out = append $out (dict "model" $model "name" $name "deployment" $deployment "label" (include "tollgate.modelLabel" $model) "worker" $w) }}
 {{- end }}
 {{- end }}
