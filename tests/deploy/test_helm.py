@@ -36,7 +36,6 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import pytest
 import yaml
-from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
 
 from tests.deploy.manifests import (
     BASE,
@@ -274,6 +273,9 @@ def validate(doc: dict[str, Any], version: str) -> None:
     """One object against its schema: Kubernetes' for its version, or the operator's."""
     name = f"{doc['kind']}/{doc['metadata']['name']}"
     if doc["apiVersion"] == "monitoring.coreos.com/v1":
+        # imported here: the generated models take seconds to load
+        from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
+
         assert doc["kind"] == "ServiceMonitor", name
         model = ServiceMonitor.model_validate(doc)  # types, patterns, required fields
         # the models ignore unknown fields: whatever they did not read is one
