@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,12 @@ from tollgate.models.cache import (
 from tollgate.models.catalog import load_catalog
 
 REAL = "SmolLM2-135M-Instruct"
+
+
+def _seconds(shown: str) -> float:
+    """A progress line's duration (``4.2s``, ``23s``, ``1m05s``) in seconds."""
+    minutes, _, seconds = shown.removesuffix("s").rpartition("m")
+    return float(minutes or 0) * 60 + float(seconds)
 
 
 def fake_entry(cache: Path, name: str, size: int, used_at: float) -> Path:
@@ -151,9 +158,21 @@ def test_two_processes_pulling_one_model_prepare_it_once(var_dir: Path, tmp_path
         subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    streams = [p.communicate(timeout=300) for p in procs]
+    outputs = [out for out, _ in streams]
     assert all(p.returncode == 0 for p in procs)
     assert sum("(convert " in out for out in outputs) == 1, outputs
+    # The converter's progress ends once, with the step's own time (the bar
+    # used to restart at its end and show "269.0 TB/s in 0s").
+    [(out, err)] = [(out, err) for out, err in streams if "(convert " in out]
+    took = float(out.split("(convert ")[1].split(" s")[0])
+    [done] = [line for line in err.splitlines() if line.startswith("convert   done")]
+    size, shown, rate = re.fullmatch(
+        r"convert   done  ([\d.]+) MB in (\S+)  \(([\d.]+) MB/s\)", done
+    ).groups()  # type: ignore[union-attr]
+    seconds = _seconds(shown)
+    assert took / 2 <= seconds <= took + 0.5, (done, took)
+    assert float(rate) == pytest.approx(float(size) / seconds, rel=0.1), done
     assert sum("(cached)" in out for out in outputs) == 1, outputs
     paths = {out.split(": ", 1)[1].split(" (")[0].strip() for out in outputs}
     assert len(paths) == 1, "both got the same entry"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TextIO
 
@@ -30,6 +33,8 @@ def human_size(n: float) -> str:
 
 
 def _duration(secs: float) -> str:
+    if secs < 10:
+        return f"{secs:.1f}s"
     seconds = round(secs)
     if seconds < 60:
         return f"{seconds}s"
@@ -39,59 +44,109 @@ def _duration(secs: float) -> str:
 
 
 class ProgressBar:
-    """Bytes, rate and ETA of a download or conversion, on one line.
+    """Bytes, rate and ETA of a download, or the elapsed time of a conversion, on one line.
 
-    On a terminal the line is redrawn in place; otherwise (logs, CI) a line is
-    written every ``every_s`` seconds and when a phase ends.
+    Times and rates run from the step's first report (its start) to now. A
+    phase in ``opaque`` (a GGUF conversion: it computes for most of its time
+    and writes its bytes at the end) shows a spinner and the elapsed time
+    instead of a share and a rate it cannot know; its last line gives its
+    bytes, time and mean rate. On a terminal the line is redrawn in place;
+    otherwise (logs, CI) a line is written every ``every_s`` seconds and when
+    a step ends.
     """
 
     WIDTH = 24
+    SPINNER = "|/-\\"
+    # a rate over less time than this measures the clock, not the transfer
+    MIN_RATE_S = 0.1
 
-    def __init__(self, out: TextIO = sys.stderr, every_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        out: TextIO = sys.stderr,
+        every_s: float = 5.0,
+        *,
+        opaque: Collection[str] = ("convert",),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.out = out
         self.tty = out.isatty()
         self.every_s = every_s
+        self.opaque = frozenset(opaque)
+        self.clock = clock
         self._phase = ""
-        self._started = self._shown = 0.0
+        self._ended = False
+        self._started = 0.0
+        self._shown: float | None = None  # when the last line was written
+        self._ticks = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _finished(done: int, total: int | None) -> bool:
+        return total is not None and done >= total and done > 0
 
     def line(self, phase: str, done: int, total: int | None, now: float) -> str:
-        elapsed = max(now - self._started, 1e-6)
-        rate = done / elapsed
-        parts = [f"{phase:<8}"]
+        elapsed = max(now - self._started, 0.0)
+        finished = self._finished(done, total)
         if total:
-            share = min(done / total, 1.0)
+            done = min(done, total)  # a folder watch may see a few files beyond the weights
+        rate = f"{human_size(done / elapsed)}/s" if elapsed >= self.MIN_RATE_S else ""
+        parts = [f"{phase:<8}"]
+        if phase in self.opaque:
+            if finished:
+                parts.append(f"done  {human_size(done)} in {_duration(elapsed)}")
+                if rate:
+                    parts.append(f"({rate})")
+            else:
+                parts.append(
+                    f"{self.SPINNER[self._ticks % len(self.SPINNER)]} {_duration(elapsed)}"
+                )
+                if done:
+                    parts.append(f"{human_size(done)} written")
+            return "  ".join(parts)
+        if total:
+            share = done / total
             filled = int(share * self.WIDTH)
             parts.append(f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {share:4.0%}")
             parts.append(f"{human_size(done)} / {human_size(total)}")
         else:
             parts.append(human_size(done))
-        parts.append(f"{human_size(rate)}/s")
-        if total and done < total and rate > 0:
-            parts.append(f"ETA {_duration((total - done) / rate)}")
-        elif total and done >= total:
+        if rate:
+            parts.append(rate)
+        if total and done < total and rate and done > 0:
+            parts.append(f"ETA {_duration((total - done) * elapsed / done)}")
+        elif finished:
             parts.append(f"in {_duration(elapsed)}")
         return "  ".join(parts)
 
     def __call__(self, phase: str, done: int, total: int | None) -> None:
-        now = time.monotonic()
+        with self._lock:  # a parallel download reports from its worker threads
+            self._report(phase, done, total)
+
+    def _report(self, phase: str, done: int, total: int | None) -> None:
+        now = self.clock()
+        finished = self._finished(done, total)
+        if phase == self._phase and self._ended:
+            if finished:
+                return  # a late report of a step already shown as done
+            self._phase = ""  # the same phase again: the next model's step
         if phase != self._phase:
-            if self._phase and self.tty:
+            if self._phase and not self._ended and self.tty:
                 self.out.write("\n")
-            self._phase, self._started, self._shown = phase, now, 0.0
-        finished = total is not None and done >= total and done > 0
-        if not self.tty and not finished and now - self._shown < self.every_s:
+            self._phase, self._ended, self._started, self._shown = phase, False, now, None
+            self._ticks = 0
+        quiet = self._shown is not None and now - self._shown < self.every_s
+        if not self.tty and not finished and quiet:
             return
         self._shown = now
         text = self.line(phase, done, total, now)
+        self._ticks += 1
         if self.tty:
             self.out.write(f"\r{text}\033[K")
             if finished:
                 self.out.write("\n")
-                self._phase = ""
         else:
             self.out.write(text + "\n")
-            if finished:
-                self._phase = ""
+        self._ended = finished
         self.out.flush()
 
 
@@ -123,6 +178,12 @@ def run_models(action: str, ids: list[str], *, fix: bool = False) -> int:
         return 1
 
     def prepare(entry: ModelEntry, timings: dict[str, float]) -> Path:
+        # The bar below is the progress display: the libraries' own bars (tqdm
+        # in transformers' GGUF loading and saving, huggingface_hub's
+        # downloads) would write over its line. Read when they are imported,
+        # which happens in the first preparation.
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         return prepare_model(
             entry,
             cache,

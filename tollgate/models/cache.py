@@ -409,13 +409,17 @@ def _touch(folder: Path) -> None:
 
 def _convert_gguf(gguf: Path, out: Path, progress: ProgressFn = no_progress) -> None:
     """De-quantise a GGUF checkpoint into a bfloat16 safetensors folder."""
+    progress("convert", 0, None)  # the step starts here; importing torch takes a while
     import torch
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # bfloat16 output: two bytes per weight (the progress total)
+    # bfloat16 output: two bytes per weight. The watch reports the bytes written
+    # with no total: the folder passes that size (tokenizer and config files
+    # come on top of the weights) before the step ends, and a total reached
+    # would end the progress there. The step's own end is reported after it.
     expected = 2 * sum(int(t.n_elements) for t in GGUFReader(gguf).tensors)
-    with FolderWatch(out, expected, progress, phase="convert"):
+    with FolderWatch(out, None, progress, phase="convert"):
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
@@ -427,3 +431,4 @@ def _convert_gguf(gguf: Path, out: Path, progress: ProgressFn = no_progress) -> 
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
+    progress("convert", expected, expected)
