@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
 from tollgate.keys.records import KeyRecord, SigningKey
 from tollgate.runtime.openapi import (
+    I_JSON,
     SAME_ORIGIN,
     Answer,
     Api,
@@ -160,7 +161,7 @@ def admin_api() -> Api:
         description="Issue, list, change and revoke API keys, and rotate the keys that sign "
         "them (the `tollgate keys` commands). Every call under `/admin/` needs the admin "
         "token, exactly as `Authorization: Bearer <token>`. Errors are OpenAI-shaped: "
-        '`{"error": {"message", "type", "param", "code"}}`.',
+        f'`{{"error": {{"message", "type", "param", "code"}}}}`. {I_JSON}',
         servers=[SAME_ORIGIN],
         security_schemes={
             "adminToken": {

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.router.protocol import ChatCompletionBody, CompletionBody
 from tollgate.runtime.openapi import (
+    I_JSON,
     SAME_ORIGIN,
     Answer,
     Api,
@@ -207,6 +208,15 @@ def _call_answers(
     }
 
 
+# What the edge refuses (400) beyond the body's schema: rules across fields, as vLLM's.
+EDGE_RULES = (
+    "The body's schema is what the edge checks before dispatch; fields beyond it pass to the "
+    "engine, which validates them as `vllm serve` does. The edge also refuses (400) a token "
+    "limit larger than the model's context, `min_tokens` over the token limit, "
+    "`top_logprobs` without `logprobs`, and `prompt_logprobs` with `stream`."
+)
+
+
 def router_api(auth: bool = True) -> Api:
     """The router's API, with or without API keys (TOLLGATE_ROUTER_AUTH)."""
     unauthorized = {401: UNAUTHORIZED} if auth else {}
@@ -224,9 +234,8 @@ def router_api(auth: bool = True) -> Api:
             ("inference",),
             _call_answers(ChatCompletion, ChatCompletionChunk, unauthorized),
             body=ChatCompletionBody,
-            description="Fields beyond these pass to the engine, which validates them as "
-            "`vllm serve` does. The request waits in the model's queue until a worker has a "
-            "free slot (at most TOLLGATE_ROUTER_QUEUE_TIMEOUT_S, then 503).",
+            description=f"{EDGE_RULES} The request waits in the model's queue until a worker "
+            "has a free slot (at most TOLLGATE_ROUTER_QUEUE_TIMEOUT_S, then 503).",
         ),
         Operation(
             "POST",
@@ -236,8 +245,9 @@ def router_api(auth: bool = True) -> Api:
             ("inference",),
             _call_answers(Completion, Completion, unauthorized),
             body=CompletionBody,
-            description="`prompt` may be a batch: at most TOLLGATE_ROUTER_MAX_PROMPTS prompts. "
-            "Fields beyond these pass to the engine.",
+            description=f"{EDGE_RULES} `prompt` may be a batch: at most "
+            "TOLLGATE_ROUTER_MAX_PROMPTS prompts (more: 400). `max_tokens` 0 generates nothing: "
+            "only with `echo`.",
         ),
         Operation(
             "GET",
@@ -287,7 +297,8 @@ def router_api(auth: bool = True) -> Api:
         summary="OpenAI-compatible chat and text completions for the models of the catalog.",
         description="One OpenAI-compatible endpoint in front of every model of the catalog. "
         "Responses are produced by vLLM's own OpenAI serving layer and relayed untouched. "
-        'Every error is OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}`.',
+        'Every error is OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}`. '
+        f"{I_JSON}",
         servers=[SAME_ORIGIN],
         security_schemes=schemes,
         operations=operations,

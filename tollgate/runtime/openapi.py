@@ -142,6 +142,11 @@ class Api:
     version: str = "0.1.0"
 
 
+I_JSON = (
+    "Request bodies are read as I-JSON (RFC 7493): a string with an unpaired surrogate "
+    "escape (`\\ud800`) is not text, and the body is refused (400)."
+)
+
 ERROR_DESCRIPTION = (
     "Any other error, OpenAI-shaped: 404 for an unknown path, 405 for a method a path does "
     "not have (with `Allow`); from the HTTP layer, before any route: 400 for a request that "
