@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import NatsServer
-from tests.lib.net import free_port
+from tests.lib.net import free_port, refused_port
 from tollgate.keys.tokens import SigningKeySet, auth_dir
 from tollgate.wire import bus
 from tollgate.wire.topology import Role
@@ -91,6 +91,43 @@ def test_bus_commands_print_their_answer_and_nothing_else(
     assert query.returncode == 1 and query.stdout == ""
     [line] = query.stderr.splitlines()
     assert line.startswith("error: ") and "metering" in line, query.stderr
+
+
+def test_an_unreachable_bus_or_a_bad_setting_is_one_line(
+    server: NatsServer, var_dir: Path, tmp_path: Path
+) -> None:
+    with refused_port() as port:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLGATE_")}
+        env.update(
+            server.env(Role.ADMIN),
+            TOLLGATE_VAR_DIR=str(var_dir),
+            TOLLGATE_NATS_URL=f"tls://operator:hunter2@127.0.0.1:{port}",
+        )
+        done = subprocess.run(
+            [sys.executable, "-m", "tollgate.app.cli", "keys", "list"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    # given up after a while, not retried for ever one warning at a time
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: NATS at 127.0.0.1:{port} did not answer within "), line
+    assert "hunter2" not in line
+    missing = tmp_path / "no-such-seed"
+    env.update(server.env(Role.ADMIN), TOLLGATE_NATS_NKEY_FILE=str(missing))
+    done = subprocess.run(
+        [sys.executable, "-m", "tollgate.app.cli", "keys", "list"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (78, ""), done.stderr
+    assert done.stderr == (
+        f"error: TOLLGATE_NATS_NKEY_FILE: cannot read {missing}: No such file or directory\n"
+    )
 
 
 async def test_a_connection_lost_in_use_is_still_reported(

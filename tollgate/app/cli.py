@@ -4,18 +4,71 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import getpass
 import logging
 import runpy
 import sys
 import time
+from collections.abc import Iterator
 from datetime import date, timedelta
 from typing import Any
+from urllib.parse import urlsplit
+
+from nats.aio.client import Client as NATS
 
 from tollgate.app import buscli
 from tollgate.models.catalog import load_catalog
-from tollgate.runtime.settings import CommonSettings
+from tollgate.runtime.settings import CommonSettings, SettingError
 from tollgate.wire.topology import Role
+
+# How long a command waits for NATS before it gives up (a service waits for ever).
+CONNECT_TIMEOUT_S = 10.0
+
+
+class CliError(Exception):
+    """A command that cannot do its work; the message is the one line shown."""
+
+
+@contextlib.contextmanager
+def _held_back(logger: logging.Logger) -> Iterator[list[str]]:
+    """Collect the logger's messages instead of printing them."""
+    said: list[str] = []
+
+    class Hold(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            said.append(record.getMessage())
+            return False
+
+    hold = Hold()
+    logger.addFilter(hold)
+    try:
+        yield said
+    finally:
+        logger.removeFilter(hold)
+
+
+async def connect(common: CommonSettings, name: str) -> NATS:
+    """The operator's connection, or one line saying why there is none.
+
+    The retries of a first connect (one warning each) are held back: a
+    command either connects or, after ``CONNECT_TIMEOUT_S``, says why not.
+    """
+    with _held_back(logging.getLogger("tollgate.wire.bus")) as said:
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                return await common.connect(Role.ADMIN, name)
+        except TimeoutError:
+            # the hosts only: a URL may carry a user and password
+            where = ", ".join(
+                urlsplit(u.strip()).netloc.rpartition("@")[2] for u in common.nats_url.split(",")
+            )
+            why = f" (last: {said[-1]})" if said else ""
+            raise CliError(
+                f"NATS at {where} did not answer within {CONNECT_TIMEOUT_S:.0f} s{why}; "
+                "is the stack running (`tollgate up`)?"
+            ) from None
+
 
 # Commands that run a service: its own module parses the rest of the line.
 SERVICES = ("router", "worker", "auth", "metering", "scaler")
@@ -107,7 +160,7 @@ async def _keys_async(ns: argparse.Namespace) -> int:
     from tollgate.wire import bus
 
     common = CommonSettings()
-    nc = await common.connect(Role.ADMIN, "tollgate-cli")
+    nc = await connect(common, "tollgate-cli")
     try:
         store = await KeyStore(
             nc.jetstream(), common.topology, actor=f"cli:{getpass.getuser()}"
@@ -170,7 +223,7 @@ async def _query_async(ns: argparse.Namespace, sql: str, parameters: dict[str, A
     from tollgate.wire import bus
 
     common = CommonSettings()
-    nc = await common.connect(Role.ADMIN, "tollgate-cli")
+    nc = await connect(common, "tollgate-cli")
     try:
         result = await run_query(nc, common.subjects, sql, parameters, max_rows=ns.max_rows)
     except MeteringUnavailable as exc:
@@ -209,7 +262,7 @@ async def _scaler_status_async(as_json: bool) -> int:
     from tollgate.wire import bus
 
     common = CommonSettings()
-    nc = await common.connect(Role.ADMIN, "tollgate-cli")
+    nc = await connect(common, "tollgate-cli")
     try:
         reply = await nc.request(common.subjects.scaler_status, b"{}", timeout=5)
     except (NoRespondersError, TimeoutError, NatsTimeoutError):
@@ -258,7 +311,7 @@ async def _replay_async(ns: argparse.Namespace) -> int:
     if not api_key:
         print("error: give --api-key (or TOLLGATE_API_KEY)", file=sys.stderr)
         return 2
-    nc = await common.connect(Role.ADMIN, "tollgate-replay")
+    nc = await connect(common, "tollgate-replay")
     try:
         report = await replay(
             nc,
@@ -447,7 +500,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SERVICES:
         return _run_service(f"services.{argv[0]}", argv[1:])
     ns = build_parser().parse_args(argv)
-    result: int = ns.func(ns)
+    try:
+        result: int = ns.func(ns)
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except SettingError as exc:  # names the setting, never a secret
+        print(f"error: {exc}", file=sys.stderr)
+        return 78  # EX_CONFIG, as the services exit on a setting that cannot work
     return result
 
 
