@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import ssl
 import time
 from http import HTTPStatus
@@ -461,11 +462,29 @@ async def start(
 
 
 async def _serve_forever(app: web.Application, **kwargs: Any) -> None:
-    runner = await start(app, handle_signals=True, **kwargs)
+    runner = await start(app, **kwargs)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        # The first SIGTERM or SIGINT starts the graceful stop; later ones must
+        # not cut it short (a parent-death signal can arrive more than once,
+        # and an operator may press Ctrl-C twice): the calls in flight finish
+        # and their usage is recorded either way.
+        if stopping.is_set():
+            log.info("already stopping; %s ignored", sig.name)
+        stopping.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
-        await asyncio.Event().wait()  # until SIGTERM or SIGINT raises GracefulExit
+        await stopping.wait()
     finally:
-        await runner.cleanup()
+        try:
+            await runner.cleanup()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
 
 
 def serve(
@@ -477,7 +496,10 @@ def serve(
     ssl_context: ssl.SSLContext | None = None,
     shutdown_timeout: float = 60.0,
 ) -> None:
-    """Serve ``app`` until SIGTERM or SIGINT, then stop gracefully (as ``web.run_app``)."""
+    """Serve ``app`` until SIGTERM or SIGINT, then stop gracefully (as ``web.run_app``).
+
+    Signals that arrive while it stops are logged and ignored.
+    """
     loop = asyncio.new_event_loop()
     main = loop.create_task(
         _serve_forever(
