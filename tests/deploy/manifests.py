@@ -73,6 +73,7 @@ UNSET_ON_PURPOSE = {
     "TOLLGATE_SCALER_WORKER_NKEY_FILE",
     "TOLLGATE_ROUTER_TLS_CERT",
     "TOLLGATE_ROUTER_TLS_KEY",
+    "TOLLGATE_METERING_FAULT_FILE",  # fault injection for soak runs: never on in a deployment
 }
 
 # kind -> model in the official client, for the kinds Tollgate ships
