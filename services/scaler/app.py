@@ -241,6 +241,7 @@ class Scaler:
         models = {}
         for mid, policy in self.policies.items():
             last = self._last.get(mid)
+            replicas = self._replicas.get(mid)
             models[mid] = {
                 "desired": policy.state.desired,
                 "ready": last.ready if last else 0,
@@ -251,6 +252,8 @@ class Scaler:
                 "min_replicas": policy.config.min_replicas,
                 "max_replicas": policy.config.max_replicas,
                 "time_to_ready_s": self.signals.view(mid).startup_s,
+                # local backend with TOLLGATE_SCALER_GPUS: workers wanted, not started
+                "waiting_for_gpus": replicas.waiting_for_gpus if replicas else 0,
                 "decisions": list(self.decisions[mid]),
             }
         return {"type": "tg.scaler_status.v1", "backend": self.backend.name, "models": models}
@@ -261,7 +264,11 @@ class Scaler:
 
 
 def make_backend(
-    settings: ScalerSettings, common: CommonSettings, env: dict[str, str], metrics: ScalerMetrics
+    settings: ScalerSettings,
+    common: CommonSettings,
+    env: dict[str, str],
+    metrics: ScalerMetrics,
+    catalog: Catalog,
 ) -> Backend:
     if settings.backend == "kubernetes":
         return KubernetesBackend(settings.namespace, settings.deployments)
@@ -270,6 +277,8 @@ def make_backend(
         common.var_dir / "logs",
         drain_timeout_s=settings.drain_timeout_s,
         on_restart=lambda model: metrics.restarts.labels(model).inc(),
+        gpus=settings.gpus,
+        gpus_per_worker=lambda model: catalog.get(model).tensor_parallel_size,
     )
 
 
@@ -285,7 +294,12 @@ def create_app(
     async def service_ctx(app: web.Application) -> AsyncIterator[None]:
         nc = await common.connect(Role.SCALER, "scaler")
         scaler = Scaler(
-            nc, settings, common, catalog, make_backend(settings, common, env, metrics), metrics
+            nc,
+            settings,
+            common,
+            catalog,
+            make_backend(settings, common, env, metrics, catalog),
+            metrics,
         )
         await scaler.start()
         app[SCALER] = scaler

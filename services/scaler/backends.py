@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -33,6 +34,7 @@ class Replicas:
     desired: int  # the count it is converging to
     running: int  # processes or pods that exist and are not being removed
     ready: int | None = None  # what the backend itself reports ready, if it knows
+    waiting_for_gpus: int = 0  # wanted, but not started: no free GPUs for them (local)
 
 
 class Backend(Protocol):
@@ -56,6 +58,7 @@ class LocalWorker:
     model: str
     proc: asyncio.subprocess.Process
     log_file: IO[bytes]
+    gpus: list[str] = field(default_factory=list)  # its CUDA_VISIBLE_DEVICES, held until it exits
     started_at: float = field(default_factory=time.monotonic)
     drain_started_at: float | None = None
     killed: bool = False
@@ -63,6 +66,64 @@ class LocalWorker:
     @property
     def draining(self) -> bool:
         return self.drain_started_at is not None
+
+
+def kill_group(pgid: int) -> bool:
+    """SIGKILL every process left in a worker's process group; whether there was one.
+
+    A worker starts in its own session, so its group id is its pid, and its
+    engine processes (vLLM's engine core, its GPU workers) are in that group.
+    Called only for a worker that is still running or that this backend has
+    just reaped: while the group has members its id is not handed out again,
+    and an empty group's id would have to be reused, within one reconcile
+    round, by a new process that also leads its own group.
+    """
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False  # nothing left
+    except PermissionError:  # pragma: no cover - a group of another user's: not ours
+        return False
+    return True
+
+
+def group_exists(pgid: int) -> bool:
+    """Whether any process (a zombie included) is left in the process group."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - someone else's group
+        return True
+    return True
+
+
+class GpuPool:
+    """The GPUs local workers share: each worker gets its own devices, none shared.
+
+    ``devices`` are CUDA device ids or UUIDs, as ``CUDA_VISIBLE_DEVICES`` takes
+    them. A worker is given the first free devices in the order configured.
+    """
+
+    def __init__(self, devices: Sequence[str]) -> None:
+        self.devices = list(devices)
+        self._free = list(devices)
+
+    @property
+    def free(self) -> list[str]:
+        return list(self._free)
+
+    def take(self, count: int) -> list[str] | None:
+        """``count`` free devices, now held by the caller; None when fewer are free."""
+        if count > len(self._free):
+            return None
+        taken, self._free = self._free[:count], self._free[count:]
+        return taken
+
+    def give(self, devices: Sequence[str]) -> None:
+        """Devices a worker no longer holds (it exited)."""
+        back = set(devices) & (set(self.devices) - set(self._free))
+        self._free = [d for d in self.devices if d in back or d in self._free]
 
 
 def _die_with_parent() -> None:
@@ -105,8 +166,25 @@ def worker_environment(environ: Mapping[str, str], nkey_file: Path | None) -> di
     return env
 
 
+def worker_argv(model: str) -> list[str]:
+    """The command line of a local worker for ``model``."""
+    return [sys.executable, "-m", "services.worker", "--model", model]
+
+
 class LocalBackend:
-    """``services.worker`` processes on this machine, restarted when they crash."""
+    """``services.worker`` processes on this machine, restarted when they crash.
+
+    Each worker runs in its own session: its process group holds its engine
+    processes too. A worker still running ``drain_timeout_s`` after SIGTERM is
+    killed with its whole group; a worker that exits (drained, crashed, killed
+    from outside) has whatever is left of its group killed when it is reaped,
+    so no engine outlives its worker.
+
+    With ``gpus`` (device ids), each worker gets ``gpus_per_worker(model)`` of
+    them as ``CUDA_VISIBLE_DEVICES``, held until it exits; a worker that finds
+    too few free waits (the target stands) and starts when enough are freed.
+    Without, workers see the GPUs the scaler sees.
+    """
 
     name = "local"
 
@@ -118,14 +196,22 @@ class LocalBackend:
         drain_timeout_s: float = 150.0,
         on_restart: Callable[[str], None] | None = None,
         reconcile_s: float = 0.25,
+        gpus: Sequence[str] = (),
+        gpus_per_worker: Callable[[str], int] = lambda model: 1,
+        argv: Callable[[str], list[str]] | None = None,
     ) -> None:
         self.env = env
         self.logs_dir = logs_dir
         self.drain_timeout_s = drain_timeout_s
         self.on_restart = on_restart
         self.reconcile_s = reconcile_s
+        self.gpus = GpuPool(gpus) if gpus else None
+        self.gpus_per_worker = gpus_per_worker
+        self.argv = argv or worker_argv  # tests start stand-ins
         self.workers: dict[str, list[LocalWorker]] = {}
         self.target: dict[str, int] = {}
+        self.waiting_for_gpus: dict[str, int] = {}
+        self._gpu_line: list[str] = []  # models waiting for GPUs, first come first
         self._crashes: dict[str, int] = {}
         self._not_before: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
@@ -139,7 +225,11 @@ class LocalBackend:
         return [w for w in self.workers.get(model, []) if not w.draining]
 
     async def current(self, model: str) -> Replicas:
-        return Replicas(self.target.get(model, 0), len(self.active(model)))
+        return Replicas(
+            self.target.get(model, 0),
+            len(self.active(model)),
+            waiting_for_gpus=self.waiting_for_gpus.get(model, 0),
+        )
 
     async def scale(self, model: str, replicas: int, victims: list[str]) -> None:
         async with self._lock:
@@ -160,30 +250,95 @@ class LocalBackend:
         log.info("draining worker", extra={"worker_id": worker.worker_id, "model": worker.model})
         worker.drain_started_at = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
+            # the worker alone: it drains, then shuts its engine down itself
             worker.proc.send_signal(signal.SIGTERM)
 
-    async def _spawn(self, model: str) -> None:
+    def _kill(self, worker: LocalWorker) -> None:
+        """The worker and its engine processes, at once."""
+        worker.killed = True
+        kill_group(worker.proc.pid)
+
+    async def _spawn(self, model: str, gpus: list[str]) -> None:
         worker_id = f"{model_token(model)[:48]}-{uuid.uuid4().hex[:8]}"
         path = self.logs_dir / f"worker-{model_token(model)[:48]}-{worker_id[-8:]}.log"
         log_file = open(path, "ab")  # kept open for the child's lifetime
         env = {**self.env, "TOLLGATE_WORKER_WORKER_ID": worker_id}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "services.worker",
-            "--model",
-            model,
-            env=env,
-            stdout=log_file,
-            stderr=log_file,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        self.workers.setdefault(model, []).append(LocalWorker(worker_id, model, proc, log_file))
+        if self.gpus is not None:
+            # nvidia-smi's numbering, not CUDA's fastest-first default
+            env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv(model),
+                env=env,
+                stdout=log_file,
+                stderr=log_file,
+                start_new_session=True,  # its own process group, with its engine
+                preexec_fn=_die_with_parent,
+            )
+        except BaseException:
+            log_file.close()
+            raise
+        worker = LocalWorker(worker_id, model, proc, log_file, gpus)
+        self.workers.setdefault(model, []).append(worker)
         log.info(
             "worker started",
-            extra={"worker_id": worker_id, "model": model, "pid": proc.pid},
+            extra={"worker_id": worker_id, "model": model, "pid": proc.pid, "gpus": gpus},
         )
+
+    def _reap(self, worker: LocalWorker, code: int) -> None:
+        """A worker has exited: what is left of its process group goes, its GPUs are free."""
+        self.workers[worker.model].remove(worker)
+        worker.log_file.close()
+        if kill_group(worker.proc.pid):
+            log.warning(
+                "worker left processes behind; killed them",
+                extra={"worker_id": worker.worker_id, "model": worker.model, "code": code},
+            )
+        if self.gpus is not None:
+            self.gpus.give(worker.gpus)
+
+    def _take_gpus(self, model: str) -> list[str] | None:
+        """The devices a new worker of ``model`` gets ([] without a pool); None: not now.
+
+        Models that wait for GPUs get them in the order they began to wait, so
+        a model that needs several is not starved by smaller ones that would
+        take each GPU as it is freed. A model that needs more than the pool
+        has waits for ever and holds up no one.
+        """
+        if self.gpus is None:
+            return []
+        total = len(self.gpus.devices)
+        for waiter in self._gpu_line:
+            if waiter == model:
+                break
+            if self.gpus_per_worker(waiter) <= total:
+                return None  # another model waits ahead of this one
+        return self.gpus.take(self.gpus_per_worker(model))
+
+    def _waiting(self, model: str, count: int) -> None:
+        """Note (and log once per episode) the workers that wait for GPUs."""
+        before = self.waiting_for_gpus.get(model, 0)
+        self.waiting_for_gpus[model] = count
+        if count and model not in self._gpu_line:
+            self._gpu_line.append(model)
+        elif not count and model in self._gpu_line:
+            self._gpu_line.remove(model)
+        if count and not before and self.gpus is not None:
+            need = self.gpus_per_worker(model)
+            extra = {
+                "model": model,
+                "waiting": count,
+                "gpus_per_worker": need,
+                "gpus_free": len(self.gpus.free),
+                "gpus": len(self.gpus.devices),
+            }
+            if need > len(self.gpus.devices):
+                log.error("a worker needs more GPUs than the scaler has; none starts", extra=extra)
+            else:
+                log.warning("not enough free GPUs; workers start as GPUs are freed", extra=extra)
+        elif before and not count:
+            log.info("no worker waits for GPUs any more", extra={"model": model})
 
     async def _converge(self, model: str) -> None:
         """Reap exited workers; start missing ones (with back-off after crashes)."""
@@ -194,12 +349,13 @@ class LocalBackend:
                 if worker.draining and not worker.killed:
                     overdue = now - (worker.drain_started_at or now) - self.drain_timeout_s
                     if overdue > 0:
-                        worker.killed = True
-                        with contextlib.suppress(ProcessLookupError):
-                            worker.proc.kill()
+                        log.warning(
+                            "worker still draining after the drain timeout; killed",
+                            extra={"worker_id": worker.worker_id, "model": model},
+                        )
+                        self._kill(worker)
                 continue
-            self.workers[model].remove(worker)
-            worker.log_file.close()
+            self._reap(worker, code)
             if worker.draining:
                 log.info("worker stopped", extra={"worker_id": worker.worker_id, "code": code})
                 continue
@@ -214,8 +370,18 @@ class LocalBackend:
                 self.on_restart(model)
         missing = self.target.get(model, 0) - len(self.active(model))
         if missing > 0 and now >= self._not_before.get(model, 0.0):
-            for _ in range(missing):
-                await self._spawn(model)
+            while missing > 0:
+                gpus = self._take_gpus(model)
+                if gpus is None:
+                    break
+                try:
+                    await self._spawn(model, gpus)
+                except BaseException:
+                    if self.gpus is not None:
+                        self.gpus.give(gpus)
+                    raise
+                missing -= 1
+        self._waiting(model, max(0, missing) if self.gpus is not None else 0)
 
     async def _reconcile_loop(self) -> None:
         while True:
@@ -228,7 +394,7 @@ class LocalBackend:
                         log.exception("reconciling workers failed", extra={"model": model})
 
     async def close(self) -> None:
-        """Drain every worker this backend started and wait for them to exit."""
+        """Drain every worker this backend started and wait for them (and their engines) to exit."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -236,13 +402,22 @@ class LocalBackend:
         for worker in everyone:
             if not worker.draining:
                 self._drain(worker)
-        for worker in everyone:
+
+        async def stopped(worker: LocalWorker) -> None:
             try:
                 await asyncio.wait_for(worker.proc.wait(), self.drain_timeout_s)
             except TimeoutError:
-                worker.proc.kill()
+                self._kill(worker)
                 await worker.proc.wait()
-            worker.log_file.close()
+            self._reap(worker, worker.proc.returncode or 0)
+            # what was killed is gone before the scaler is (bounded: a zombie
+            # nobody reaps would otherwise hold us up); no event says so
+            for _ in range(100):
+                if not group_exists(worker.proc.pid):
+                    break
+                await asyncio.sleep(0.05)
+
+        await asyncio.gather(*(stopped(w) for w in everyone))
         self.workers.clear()
 
 

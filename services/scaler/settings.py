@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import fnmatch
+import json
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class ScheduleOverride(BaseModel):
@@ -88,3 +89,26 @@ class ScalerSettings(BaseSettings):
         default=None,
         description="Local backend: the workers' identity on the bus (their nkey seed file).",
     )
+    gpus: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Local backend: GPU ids (or UUIDs) to share out, e.g. 0,1,2,3 or a JSON "
+        "list; each worker gets its model's tensor_parallel_size of them as "
+        "CUDA_VISIBLE_DEVICES. Empty: no assignment, workers see every GPU.",
+    )
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _device_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if not text:
+                return []
+            value = json.loads(text) if text.startswith("[") else text.split(",")
+        if not isinstance(value, list):
+            return value
+        devices = [str(d).strip() for d in value]
+        if any(not d or "," in d for d in devices):
+            raise ValueError(f"expected GPU ids such as 0,1 or GPU-<uuid>, not {value!r}")
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"a GPU is listed twice: {devices}")
+        return devices
