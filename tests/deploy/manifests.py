@@ -71,6 +71,7 @@ UNSET_ON_PURPOSE = {
     "TOLLGATE_NATS_TLS_CERT",
     "TOLLGATE_NATS_TLS_KEY",
     "TOLLGATE_SCALER_WORKER_NKEY_FILE",
+    "TOLLGATE_SCALER_GPUS",  # local backend only: Kubernetes schedules the GPUs itself
     "TOLLGATE_ROUTER_TLS_CERT",
     "TOLLGATE_ROUTER_TLS_KEY",
     "TOLLGATE_METERING_FAULT_FILE",  # fault injection for soak runs: never on in a deployment
