@@ -175,10 +175,9 @@ def _call_answers(
             media={
                 "text/event-stream": (
                     {
-                        "type": "string",
-                        "description": "`data: <chunk JSON>` events, then `data: [DONE]`; "
-                        "lines starting with `:` are keep-alive comments; an error after "
-                        "the first chunk is `data: <Error JSON>` then `data: [DONE]`.",
+                        "description": "Each event's `data` is a chunk's JSON, and the last "
+                        "is `[DONE]`; lines starting with `:` are keep-alive comments; an error "
+                        "after the first chunk is `data: <Error JSON>` then `data: [DONE]`.",
                     },
                     event,
                 )

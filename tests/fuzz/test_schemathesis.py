@@ -28,6 +28,7 @@ import hashlib
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -46,15 +47,16 @@ from schemathesis.generation.modes import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from tests.conftest import SIM_MODEL
-from tests.fuzz.conftest import SEED_ENV
+from tests.fuzz.conftest import SEED_ENV, Fuzz
+from tests.fuzz.oracle import LEAK_MARKERS
 
-EXAMPLES = 25
+EXAMPLES = 100
 SOAK_EXAMPLES = 1000
 
-# What only a traceback or a repr prints (a body is for people and programs).
+# What only a traceback or a repr prints (a body is for people and programs): the fuzz
+# suite's markers, and an exception's repr.
 TRACEBACK = re.compile(
-    r"Traceback \(most recent call last\)|File \"[^\"]+\", line \d+|"
-    r"<[A-Za-z_.]+ object at 0x[0-9a-f]+>|\b[A-Z][A-Za-z]+(Error|Exception)\("
+    "|".join(re.escape(m.decode()) for m in LEAK_MARKERS) + r"|\b[A-Z]\w+(Error|Exception)\("
 )
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -294,12 +296,12 @@ def summary(run: Run) -> str:
     )
 
 
-def router_run(fuzz_seed: int, router_url: str, auth_headers: dict[str, str]) -> Run:
+def router_run(fuzz: Fuzz) -> Run:
     return Run(
         "router",
-        fuzz_seed,
-        router_url,
-        dict(auth_headers),
+        fuzz.seed,
+        fuzz.router_url,
+        dict(fuzz.auth),
         steer_models=True,
         # A valid body names a model at random (404, rightly), and the engine refuses
         # bodies the edge passes through (400, as vllm serve does): the edge's own
@@ -309,43 +311,36 @@ def router_run(fuzz_seed: int, router_url: str, auth_headers: dict[str, str]) ->
     )
 
 
-def admin_run(fuzz_seed: int, admin_api: tuple[str, str]) -> Run:
-    url, token = admin_api
-    return Run("admin API", fuzz_seed, url, {"Authorization": f"Bearer {token}"})
+def admin_run(fuzz: Fuzz) -> Run:
+    return Run("admin API", fuzz.seed, fuzz.admin_url, dict(fuzz.admin))
 
 
-def test_router(
-    fuzz_seed: int, router_url: str, auth_headers: dict[str, str], sim_workers: None
-) -> None:
-    run = router_run(fuzz_seed, router_url, auth_headers)
-    drive(run, EXAMPLES)
+async def fuzz_with(fuzz: Fuzz, run: Run, examples: int) -> None:
+    """The run, then the fuzz suite's own end: gauges at 0, no secret or error in a log."""
+    drive(run, examples)  # blocking: the services it calls are other processes
     print(summary(run))
-    assert not run.findings, run.report()
+    findings = fuzz.findings()
+    for key, example in run.findings.items():
+        findings.note(f"schemathesis, {key}", example)
+    await fuzz.finish(findings)
 
 
-def test_admin_api(fuzz_seed: int, admin_api: tuple[str, str]) -> None:
-    run = admin_run(fuzz_seed, admin_api)
-    drive(run, EXAMPLES)
-    print(summary(run))
-    assert not run.findings, run.report()
+async def test_router(fuzz: Fuzz) -> None:
+    await fuzz_with(fuzz, router_run(fuzz), EXAMPLES)
+
+
+async def test_admin_api(fuzz: Fuzz) -> None:
+    await fuzz_with(fuzz, admin_run(fuzz), EXAMPLES)
 
 
 @pytest.mark.slow
-def test_router_soak(
-    fuzz_seed: int, router_url: str, auth_headers: dict[str, str], sim_workers: None
-) -> None:
-    run = router_run(fuzz_seed, router_url, auth_headers)
-    drive(run, SOAK_EXAMPLES)
-    print(summary(run))
-    assert not run.findings, run.report()
+async def test_router_soak(fuzz: Fuzz) -> None:
+    await fuzz_with(fuzz, router_run(fuzz), SOAK_EXAMPLES)
 
 
 @pytest.mark.slow
-def test_admin_api_soak(fuzz_seed: int, admin_api: tuple[str, str]) -> None:
-    run = admin_run(fuzz_seed, admin_api)
-    drive(run, SOAK_EXAMPLES)
-    print(summary(run))
-    assert not run.findings, run.report()
+async def test_admin_api_soak(fuzz: Fuzz) -> None:
+    await fuzz_with(fuzz, admin_run(fuzz), SOAK_EXAMPLES)
 
 
 async def test_the_documents_are_served_without_a_credential(
@@ -465,3 +460,67 @@ async def test_the_admin_api_refuses_no_limit_the_document_admits(
         r = await http.post(f"{url}/admin/keys", content=raw, headers=headers)
     refused = r.status_code == 400
     assert not (refused and admits(document, "/admin/keys", {"tenant": "t", limit: huge})), r.text
+
+
+# -- the checks themselves ------------------------------------------------------------
+
+
+def answer(status: int, body: bytes) -> Any:
+    return SimpleNamespace(status_code=status, content=body)
+
+
+def valid_case(body: Any = None) -> Any:
+    meta = SimpleNamespace(generation=SimpleNamespace(mode=GenerationMode.POSITIVE))
+    return SimpleNamespace(meta=meta, body=body)
+
+
+OPENAI = (
+    b'{"error": {"message": "No.", "type": "invalid_request_error", "param": null, "code": null}}'
+)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "passes"),
+    [
+        (400, OPENAI, True),
+        (200, b'{"id": "x"}', True),
+        (400, b'{"detail": "No."}', False),
+        (404, b"Not Found", False),
+        (400, b'{"error": {"message": "No.", "type": "x"}}', False),
+        (400, b'{"error": {"message": "", "type": "x", "param": null, "code": null}}', False),
+        (200, b'{"text": "Traceback (most recent call last):"}', False),
+        (400, OPENAI.replace(b"No.", b"KeyError('model')"), False),
+    ],
+)
+def test_the_error_check_tells_openai_errors_from_others(
+    status: int, body: bytes, passes: bool
+) -> None:
+    if passes:
+        assert openai_errors(None, answer(status, body), valid_case()) is None
+    else:
+        with pytest.raises(AssertionError):
+            openai_errors(None, answer(status, body), valid_case())
+
+
+def test_the_edge_check_allows_only_documented_refusals() -> None:
+    def error(message: str, code: object = None) -> bytes:
+        return orjson.dumps(
+            {"error": {"message": message, "type": "t", "param": None, "code": code}}
+        )
+
+    allowed = [
+        error("max_tokens=9999 is larger than the context of `m` (2048 tokens)."),
+        error("Invalid content part: {}", code=400),  # the engine's, not the edge's
+    ]
+    for body in allowed:
+        assert edge_accepts_what_the_document_admits(None, answer(400, body), valid_case()) is None
+    with pytest.raises(AssertionError):
+        edge_accepts_what_the_document_admits(
+            None, answer(400, error("Invalid value for 'n'.")), valid_case()
+        )
+
+
+def test_an_unpaired_surrogate_is_found_in_keys_and_values() -> None:
+    assert unpaired_surrogate({"a": ["b", {"\ud800": 1}]})
+    assert unpaired_surrogate({"a": "x\udfff"})
+    assert not unpaired_surrogate({"a": ["\U0001f642", 1, None]})

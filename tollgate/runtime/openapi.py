@@ -209,6 +209,30 @@ def ops_operations(readiness: str, metrics: str) -> list[Operation]:
 # -- the document ------------------------------------------------------------------
 
 
+def sse_event_schema(
+    schema: Mapping[str, Any], data: Mapping[str, Any], error: Mapping[str, Any]
+) -> dict[str, Any]:
+    """One server-sent event whose ``data`` is JSON of ``data`` or ``error`` (or ``[DONE]``)."""
+    return {
+        **schema,
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "type": "string",
+                "description": "The event's JSON, or `[DONE]` after the last one.",
+                "contentMediaType": "application/json",
+                "contentSchema": {
+                    "anyOf": [dict(data), {"$ref": REF_TEMPLATE.format(model="Error")}]
+                },
+            },
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer", "minimum": 0},
+        },
+    }
+
+
 class _Schemas(GenerateJsonSchema):
     """pydantic's JSON schemas, less a ``null`` default that the field's own schema refuses.
 
@@ -258,10 +282,13 @@ def _answer(answer: Answer, refs: Mapping[Any, Any]) -> dict[str, Any]:
     if answer.model is not None:
         content["application/json"] = {"schema": refs[(answer.model, "serialization")]}
     for media, (schema, event) in answer.media.items():
-        content[media] = {"schema": dict(schema)}
-        if event is not None:
-            # each event's JSON: OpenAPI 3.1 has no way to say it (3.2's itemSchema)
-            content[media]["x-tollgate-event-schema"] = refs[(event, "serialization")]
+        if event is None:
+            content[media] = {"schema": dict(schema)}
+            continue
+        # Server-sent events: before OpenAPI 3.2's itemSchema, a stream's schema is read
+        # (by schemathesis, among others) as the schema of each event, its fields parsed
+        event_ref, error_ref = refs[(event, "serialization")], refs[(Error, "serialization")]
+        content[media] = {"schema": sse_event_schema(schema, event_ref, error_ref)}
     if content:
         out["content"] = content
     return out
