@@ -109,7 +109,10 @@ def kill_engine_processes() -> list[int]:
     """
     import multiprocessing
 
-    left = multiprocessing.active_children()
+    children = multiprocessing.active_children()
+    for child in children:
+        child.join(1)  # one the engine has just killed itself is not left over
+    left = [child for child in children if child.is_alive()]
     for child in left:
         child.kill()
     for child in left:

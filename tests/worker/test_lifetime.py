@@ -128,3 +128,18 @@ def test_a_stop_signal_interrupts_a_blocking_start_and_still_reaches_the_loop() 
         timeout=60,
     )
     assert out.stdout.strip() == "interrupted=True loop=True", out.stderr
+
+
+def test_engine_processes_left_at_the_end_are_killed_and_named() -> None:
+    import multiprocessing
+
+    from services.worker.lifetime import kill_engine_processes
+
+    context = multiprocessing.get_context("spawn")
+    done = context.Process(target=time.sleep, args=(0,))
+    left = context.Process(target=time.sleep, args=(60,))
+    done.start()
+    left.start()
+    done.join(30)
+    assert kill_engine_processes() == [left.pid], "only what still ran is named"
+    assert not left.is_alive() and left.exitcode == -signal.SIGKILL
