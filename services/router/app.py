@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -29,12 +30,12 @@ from services.router.errors import (
     TollgateError,
     error_response,
 )
-from services.router.limits import Limiter
+from services.router.limits import Limiter, Reservation
 from services.router.metrics import RouterMetrics
 from services.router.openapi import router_api
 from services.router.serving import OpenAIServing
 from services.router.settings import RouterSettings
-from services.router.usage import Outbox, UsagePublisher
+from services.router.usage import LostCalls, Outbox, UsagePublisher
 from tollgate.models.catalog import Catalog
 from tollgate.runtime.openapi import add_openapi_route, build_document
 from tollgate.runtime.ops import Check, add_ops_routes
@@ -106,6 +107,18 @@ def create_app(
         usage = UsagePublisher(js, common.subjects, outbox)
         await usage.start()
         limiter = await Limiter.open(js, topology)
+
+        async def settle_lost(held: dict[str, Any], tokens: int) -> None:
+            reservation = Reservation(
+                tokens=held["tokens"], tpm_key=held["tpm_key"], budget_key=held["budget_key"]
+            )
+            await limiter.settle(reservation, tokens)
+
+        # calls an earlier run on this outbox accepted and never finished (it was killed)
+        lost = LostCalls(
+            usage, outbox.opened(), lambda: topology.bucket(js, topology.orphans), settle_lost
+        )
+        lost.start()
         capturer = Capturer(
             js, common.subjects, settings.capture_tenants, settings.capture_max_bytes
         )
@@ -126,6 +139,7 @@ def create_app(
         yield
         await serving.drain()
         await capturer.drain()
+        await lost.stop()
         await usage.flush()
         await keys.stop()
         await bus.close(nc)

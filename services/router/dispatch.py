@@ -7,6 +7,7 @@ One subscription per router receives the chunks of all its requests on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -102,13 +103,19 @@ class Dispatcher:
         request_id = msg.subject.rpartition(".")[2]
         call = self._calls.get(request_id)
         if call is None:
-            return  # the call is over (client gone); late chunks are dropped
+            # The call is over (client gone); late chunks are dropped. A final
+            # report (END, sent as a request) gets no acknowledgement, so the
+            # worker keeps it for whichever run of the router holds the call.
+            return
         try:
             chunk = codec.decode(ResponseChunk, msg.data)
         except Exception:
             log.error("malformed chunk dropped", extra={"request_id": request_id})
             return
         call.queue.put_nowait(chunk)
+        if msg.reply:  # the END: this router has it, and bills the call
+            with contextlib.suppress(Exception):  # not acknowledged: the worker keeps it
+                await msg.respond(b"")
 
     async def submit(self, request: InferenceRequest) -> Call:
         """Register the call, then publish it to the model's work queue."""

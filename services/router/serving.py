@@ -206,6 +206,15 @@ class OpenAIServing:
                 )
             raise
         call.reservation = reservation
+        if self.usage is not None:
+            held = None
+            if reservation is not None:
+                held = {
+                    "tokens": reservation.tokens,
+                    "tpm_key": reservation.tpm_key,
+                    "budget_key": reservation.budget_key,
+                }
+            self.usage.opened(call.request, prepared.stream, held)
         if capture and self.capturer is not None:
             tenant = (principal.tenant if principal else None) or "anonymous"
             if self.capturer.wanted(principal.record if principal else None, tenant):

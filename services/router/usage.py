@@ -7,6 +7,15 @@ Events that could not be published (NATS down) are retried in order, and a
 router that restarts replays what its outbox still holds: a NATS outage
 delays usage events, it never drops them. A duplicate publish is dropped by
 the stream's dedupe window.
+
+A router killed mid-call (SIGKILL, OOM, a lost host) never wrote those calls'
+events, so the outbox also keeps an *open* record of each call from the
+moment it is queued until its event replaces it, in one transaction. The
+router's next run on the same outbox finds the records its previous run left
+open (:class:`LostCalls`): it bills each from the worker's final report, which
+the worker kept in the orphans bucket when no router acknowledged it, or with
+zero tokens once the call's deadline has passed without one; and it gives back
+what the call held of the key's limits.
 """
 
 from __future__ import annotations
@@ -15,12 +24,24 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
+import orjson
 from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
 
 from tollgate.wire import codec
-from tollgate.wire.contracts import UsageEvent
+from tollgate.wire.contracts import (
+    ChunkKind,
+    InferenceRequest,
+    Outcome,
+    ResponseChunk,
+    Usage,
+    UsageEvent,
+)
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Role, Topology
 
@@ -40,12 +61,39 @@ class Outbox:
             " seq INTEGER PRIMARY KEY AUTOINCREMENT,"
             " request_id TEXT UNIQUE NOT NULL, subject TEXT NOT NULL, data BLOB NOT NULL)"
         )
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS open_calls"
+            " (request_id TEXT PRIMARY KEY, data BLOB NOT NULL)"
+        )
+
+    def open(self, request_id: str, record: dict[str, Any]) -> None:
+        """A call was queued: what its event will need, should this process die first."""
+        self.db.execute(
+            "INSERT OR REPLACE INTO open_calls (request_id, data) VALUES (?, ?)",
+            (request_id, orjson.dumps(record)),
+        )
+
+    def opened(self) -> list[tuple[str, dict[str, Any]]]:
+        """The open records (at start: the calls an earlier run never finished)."""
+        rows = self.db.execute(
+            "SELECT request_id, data FROM open_calls"
+            " WHERE request_id NOT IN (SELECT request_id FROM events)"
+        )
+        return [(rid, orjson.loads(data)) for rid, data in rows.fetchall()]
 
     def add(self, request_id: str, subject: str, data: bytes) -> None:
-        self.db.execute(
-            "INSERT OR IGNORE INTO events (request_id, subject, data) VALUES (?, ?, ?)",
-            (request_id, subject, data),
-        )
+        """Journal the call's event; it replaces the call's open record (one transaction)."""
+        self.db.execute("BEGIN")
+        try:
+            self.db.execute(
+                "INSERT OR IGNORE INTO events (request_id, subject, data) VALUES (?, ?, ?)",
+                (request_id, subject, data),
+            )
+            self.db.execute("DELETE FROM open_calls WHERE request_id = ?", (request_id,))
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
 
     def remove(self, request_id: str) -> None:
         self.db.execute("DELETE FROM events WHERE request_id = ?", (request_id,))
@@ -58,6 +106,9 @@ class Outbox:
 
     def __len__(self) -> int:
         return int(self.db.execute("SELECT COUNT(*) FROM events").fetchone()[0])
+
+    def open_count(self) -> int:
+        return int(self.db.execute("SELECT COUNT(*) FROM open_calls").fetchone()[0])
 
     def close(self) -> None:
         self.db.close()
@@ -81,6 +132,23 @@ class UsagePublisher:
         with contextlib.suppress(Exception):  # NATS may be down: the replayer retries
             await topology.ensure_stream(self.js, topology.usage, Role.ROUTER)
         self._replayer = asyncio.create_task(self._replay_loop())
+
+    def opened(
+        self, request: InferenceRequest, streamed: bool, reservation: dict[str, Any] | None
+    ) -> None:
+        """The call is queued: keep what its event needs until the event is written."""
+        self.outbox.open(
+            request.request_id,
+            {
+                "tenant": request.tenant or "anonymous",
+                "key_id": request.key_id,
+                "model": request.model,
+                "streamed": streamed,
+                "enqueued_at": request.enqueued_at,
+                "deadline": request.deadline,
+                "reservation": reservation,
+            },
+        )
 
     def emit(self, event: UsageEvent) -> None:
         """Journal the event, then publish it in the background."""
@@ -136,3 +204,105 @@ class UsagePublisher:
             if not await self._publish(request_id, subject, data):
                 break
         self.outbox.close()
+
+
+class LostCalls:
+    """Bills the calls an earlier run of this router accepted and never finished.
+
+    Each open record left in the outbox at start is a call whose router was
+    killed while the call ran or waited in the queue. A worker that finished
+    it found no router to acknowledge its final report and kept the report in
+    the orphans bucket: the call is billed from it (outcome ``router_lost``,
+    the engine's own counts). A call whose deadline has passed (plus
+    ``grace_s``) without such a report never reached a worker, or its worker
+    died too: it is billed zero tokens. Either way its reservation is settled.
+    """
+
+    def __init__(
+        self,
+        usage: UsagePublisher,
+        records: list[tuple[str, dict[str, Any]]],
+        orphans: Callable[[], Awaitable[Any]],
+        settle: Callable[[dict[str, Any], int], Awaitable[None]] | None = None,
+        every_s: float = 2.0,
+        grace_s: float = 30.0,
+    ) -> None:
+        self.usage = usage
+        self.records = dict(records)
+        self.orphans = orphans
+        self.settle = settle
+        self.every_s = every_s
+        self.grace_s = grace_s
+        self._task: asyncio.Task[None] | None = None
+        if self.records:
+            log.warning(
+                "an earlier run of this router left %d call(s) unfinished; billing them",
+                len(self.records),
+            )
+
+    def start(self) -> None:
+        if self.records:
+            self._task = asyncio.create_task(self._loop(), name="lost-calls")
+
+    async def stop(self) -> None:
+        """Stop looking; what is left stays open in the outbox for the next run."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while self.records:
+            for request_id, record in list(self.records.items()):
+                try:
+                    await self._try(request_id, record)
+                except Exception as exc:  # NATS down: the next round tries again
+                    log.warning("billing a lost call: %s: %s", type(exc).__name__, exc)
+                    break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.every_s):
+                    await asyncio.Event().wait()
+
+    async def _try(self, request_id: str, record: dict[str, Any]) -> None:
+        kv = await self.orphans()
+        try:
+            entry = await kv.get(request_id)
+        except KeyNotFoundError:
+            entry = None
+        end = None
+        if entry is not None and entry.value:
+            chunk = codec.decode(ResponseChunk, entry.value)
+            if chunk.kind is ChunkKind.END and chunk.request_id == request_id:
+                end = chunk
+        if end is None and time.time() < float(record["deadline"]) + self.grace_s:
+            return  # a worker may still be running it
+        usage = end.usage if end is not None and end.usage is not None else Usage()
+        now = time.time()
+        self.usage.emit(
+            UsageEvent(
+                request_id=request_id,
+                time=now,
+                tenant=record["tenant"],
+                key_id=record.get("key_id"),
+                model=record["model"],
+                worker_id=end.worker_id if end is not None else None,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                outcome=Outcome.ROUTER_LOST,
+                finish_reason=end.finish_reason if end is not None else None,
+                streamed=bool(record["streamed"]),
+                total_s=max(0.0, now - float(record["enqueued_at"])),
+                http_status=502,  # the client's connection broke with its router
+            )
+        )
+        del self.records[request_id]
+        if self.settle is not None and record.get("reservation"):
+            await self.settle(record["reservation"], usage.total_tokens)
+        log.info(
+            "lost call billed",
+            extra={
+                "request_id": request_id,
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "final_report": end is not None,
+            },
+        )

@@ -11,10 +11,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -56,6 +58,10 @@ class _Stopped(Exception):
     """The worker was told to stop while it waited for its work queue."""
 
 
+# How long the router that holds a call has to acknowledge its END chunk.
+END_ACK_TIMEOUT_S = 3.0
+
+
 class _Reply:
     """Publishes one request's chunks in order."""
 
@@ -64,7 +70,7 @@ class _Reply:
         self.request = request
         self.seq = 0
 
-    async def send(self, kind: ChunkKind, **fields: object) -> None:
+    def _chunk(self, kind: ChunkKind, **fields: object) -> bytes:
         chunk = ResponseChunk(
             request_id=self.request.request_id,
             seq=self.seq,
@@ -72,7 +78,32 @@ class _Reply:
             **fields,
         )
         self.seq += 1
-        await self.nc.publish(self.request.reply_to, codec.encode(chunk))
+        return codec.encode(chunk)
+
+    async def send(self, kind: ChunkKind, **fields: object) -> None:
+        await self.nc.publish(self.request.reply_to, self._chunk(kind, **fields))
+
+    async def end(self, orphans: Callable[[], Awaitable[Any]], **fields: object) -> bool:
+        """The final report, which the router that holds the call acknowledges.
+
+        Without an acknowledgement (that router was killed, or cut off from
+        the bus) the report is kept in the orphans bucket under the request
+        id, where the router's next run finds it and bills the call. False
+        when it went there.
+        """
+        data = self._chunk(ChunkKind.END, **fields)
+        try:
+            await self.nc.request(self.request.reply_to, data, timeout=END_ACK_TIMEOUT_S)
+            return True
+        except (NoRespondersError, TimeoutError):
+            pass
+        try:
+            kv = await orphans()
+            await kv.put(self.request.request_id, data)
+            log.warning("no router took the final report; kept for its next run")
+        except Exception as exc:
+            log.error("final report lost: %s: %s", type(exc).__name__, exc)
+        return False
 
 
 class WorkerConsumer:
@@ -92,6 +123,7 @@ class WorkerConsumer:
         self.settings = settings
         self.subjects = subjects
         self.topology = Topology(subjects)
+        self._orphan_kv: Any = None
         self.model_id = model_id
         self.state = WorkerState.STARTING
         self.startup_s: float | None = None  # process start to ready, set once ready
@@ -338,6 +370,12 @@ class WorkerConsumer:
         self.inflight.pop(request_id, None)
         self._slot_freed.set()
 
+    async def _orphans(self) -> Any:
+        """The orphans bucket (created on first need)."""
+        if self._orphan_kv is None:
+            self._orphan_kv = await self.topology.bucket(self.js, self.topology.orphans)
+        return self._orphan_kv
+
     # -- one request -------------------------------------------------------
 
     async def _traced(self, request: InferenceRequest, headers: dict[str, str]) -> None:
@@ -387,7 +425,8 @@ class WorkerConsumer:
             self._generating.discard(request.request_id)
         if usage is None:
             usage = tally.usage()
-        await reply.send(ChunkKind.END, usage=usage, outcome=outcome, finish_reason=finish)
+        # Counted and logged first: the router has answered the client once it
+        # has the END, before its acknowledgement comes back.
         if self.metrics is not None:
             self.metrics.requests.labels(self.model_id, outcome.value).inc()
             self.metrics.tokens.labels(self.model_id, "prompt").inc(usage.prompt_tokens)
@@ -400,6 +439,13 @@ class WorkerConsumer:
                 "completion_tokens": usage.completion_tokens,
                 "seconds": round(time.monotonic() - started, 4),
             },
+        )
+        await reply.end(
+            self._orphans,
+            usage=usage,
+            outcome=outcome,
+            finish_reason=finish,
+            worker_id=self.worker_id,
         )
 
     async def _relay_stream(self, reply: _Reply, result: StreamResult, tally: TokenTally) -> None:

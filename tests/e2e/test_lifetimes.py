@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -25,7 +27,11 @@ import httpx
 import orjson
 
 from tests.conftest import SIM_MODEL, SLOW_MODEL, Stack, free_port
+from tests.lib.streams import read_subject
 from tollgate.runtime.procs import INSTANCE_ENV, marked_processes, process_info
+from tollgate.wire import codec
+from tollgate.wire.contracts import Outcome, UsageEvent
+from tollgate.wire.subjects import Subjects
 
 
 async def stream_to_end(base: str, key: str, started: asyncio.Event) -> tuple[str, bool, int]:
@@ -189,3 +195,43 @@ def test_up_stops_what_a_killed_instance_left_and_dies_with_everything(
         up.wait()
         for p in marked_processes("killed-earlier"):
             os.kill(p.pid, signal.SIGKILL)
+
+
+async def test_the_calls_of_a_killed_router_are_billed_by_its_next_run(
+    stack: Stack, api_key: str, sim_workers: None, tmp_path: Path
+) -> None:
+    """SIGKILL mid-stream: the next run on the same outbox bills the worker's final report."""
+    outbox = str(tmp_path / "outbox.db")
+    first, base = stack.router(TOLLGATE_ROUTER_OUTBOX=outbox)
+    started = asyncio.Event()
+    call = asyncio.create_task(stream_to_end(base, api_key, started))
+    await asyncio.wait_for(started.wait(), 30)
+    first.stop(signal.SIGKILL)
+    with contextlib.suppress(httpx.HTTPError):
+        await call  # the client's connection breaks with its router
+    rows = sqlite3.connect(outbox).execute("SELECT request_id FROM open_calls").fetchall()
+    assert len(rows) == 1, rows  # the call the killed router held
+    request_id = rows[0][0]
+
+    second, _ = stack.router(TOLLGATE_ROUTER_OUTBOX=outbox)
+    nc = await stack.nats.connect(name="test-lost-calls")
+    try:
+        js = nc.jetstream()
+        subject = Subjects().usage("demo")
+        deadline = time.monotonic() + 60
+        events: list[UsageEvent] = []
+        while time.monotonic() < deadline and not events:
+            found = [codec.decode(UsageEvent, m.data) for m in await read_subject(js, subject)]
+            events = [e for e in found if e.request_id == request_id]
+            await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
+    assert len(events) == 1, events
+    event = events[0]
+    # the worker ran the call to its end; its final report went to the orphans
+    # bucket (no router acknowledged it), and the next run billed it
+    assert event.outcome is Outcome.ROUTER_LOST
+    assert (event.completion_tokens, event.finish_reason) == (25, "length")
+    assert event.prompt_tokens > 0 and event.worker_id is not None
+    assert "lost call billed" in second.log_text()
+    assert sqlite3.connect(outbox).execute("SELECT count(*) FROM open_calls").fetchone()[0] == 0

@@ -25,6 +25,7 @@ STORED = [
     "no_capacity",
     "not_dispatched",
     "lost",
+    "router_lost",
 ]
 
 

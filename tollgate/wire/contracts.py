@@ -104,6 +104,9 @@ class Outcome(StrEnum):
     NOT_DISPATCHED = "not_dispatched"  # the model's queue could not be reached (503)
     LOST = "lost"  # the worker's final report never came (after an error response)
     INTERNAL_ERROR = "internal_error"  # the router failed while relaying (500)
+    # The router that held the call stopped before its end (killed); its next
+    # run billed the worker's final report, or nothing when none came:
+    ROUTER_LOST = "router_lost"
 
     @classmethod
     def _missing_(cls, value: object) -> Outcome | None:
@@ -131,7 +134,7 @@ class ResponseChunk(_Contract):
         description="Serving-layer output: one SSE event ('data: ...\\n\\n') or a JSON body.",
     )
     status: int | None = Field(default=None, description="HTTP status for ERROR chunks.")
-    worker_id: str | None = Field(default=None, description="Set on START: who runs it.")
+    worker_id: str | None = Field(default=None, description="Set on START and END: who runs it.")
     usage: Usage | None = Field(
         default=None,
         description="On END: the engine's counts. On streamed DATA: the counts so far.",

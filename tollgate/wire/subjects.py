@@ -227,6 +227,11 @@ class Subjects:
         return self.bucket("spend")
 
     @property
+    def orphan_bucket(self) -> str:
+        """Final reports (END chunks) no router took, by request id: the router had died."""
+        return self.bucket("orphans")
+
+    @property
     def ratelimit_bucket(self) -> str:
         """Requests and tokens per key and minute (routers, compare-and-set)."""
         return self.bucket("ratelimits")

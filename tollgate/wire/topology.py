@@ -295,6 +295,15 @@ class Topology:
             writers=_roles(R.AUTH),
             readers=_roles(R.AUTH),
         )
+        self.orphans = BucketSpec(
+            "final reports no router took (it had died): request id -> END chunk",
+            s.orphan_bucket,
+            StorageType.FILE,
+            writers=_roles(R.WORKER),
+            readers=_roles(R.ROUTER),
+            ttl_s=86400.0,
+            contract=c.ResponseChunk,
+        )
         self.ratelimits = BucketSpec(
             "requests and tokens per key and minute (compare-and-set)",
             s.ratelimit_bucket,
@@ -341,7 +350,10 @@ class Topology:
                 f"{p}.reply.<router>.<request>",
                 _roles(R.WORKER),
                 _roles(R.ROUTER),
+                # the END chunk is a request: the router that holds the call acknowledges it
+                request_reply=True,
                 contract=c.ResponseChunk,
+                reply="an empty acknowledgement of the END chunk",
             ),
             SubjectSpec(
                 "cancel a running request",
@@ -426,7 +438,14 @@ class Topology:
 
     @property
     def buckets(self) -> tuple[BucketSpec, ...]:
-        return (self.keys, self.signing_keys, self.spend, self.ratelimits, self.budgets)
+        return (
+            self.keys,
+            self.signing_keys,
+            self.spend,
+            self.ratelimits,
+            self.budgets,
+            self.orphans,
+        )
 
     @property
     def consumers(self) -> tuple[ConsumerSpec, ...]:
