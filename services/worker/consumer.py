@@ -134,6 +134,9 @@ class WorkerConsumer:
         # Requests still in the engine: only these may be cancelled, so a late
         # cancel cannot cut off the final chunk that carries the usage.
         self._generating: set[str] = set()
+        # Final reports waiting for the router's acknowledgement: the request's
+        # slot is free meanwhile, and a drain waits for them.
+        self._reporting: set[asyncio.Task[bool]] = set()
         # Ids cancelled while not running here, newest last (bounded).
         self._cancelled: dict[str, float] = {}
         self._slot_freed = asyncio.Event()
@@ -185,6 +188,8 @@ class WorkerConsumer:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=5)
+        if self._reporting:
+            await asyncio.wait(list(self._reporting), timeout=END_ACK_TIMEOUT_S + 5)
         self.drained.set()
         # The pull loop sees _stopping within one fetch timeout and unsubscribes
         # itself; a pull subscription cancelled mid-fetch would hold up NATS drain.
@@ -440,13 +445,17 @@ class WorkerConsumer:
                 "seconds": round(time.monotonic() - started, 4),
             },
         )
-        await reply.end(
-            self._orphans,
-            usage=usage,
-            outcome=outcome,
-            finish_reason=finish,
-            worker_id=self.worker_id,
+        report = asyncio.create_task(
+            reply.end(
+                self._orphans,
+                usage=usage,
+                outcome=outcome,
+                finish_reason=finish,
+                worker_id=self.worker_id,
+            )
         )
+        self._reporting.add(report)
+        report.add_done_callback(self._reporting.discard)
 
     async def _relay_stream(self, reply: _Reply, result: StreamResult, tally: TokenTally) -> None:
         events = result.events
