@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.tollgate-installed
 S3TEST := $(VENV)/s3-server/bin/moto_server
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench soak clean
 
 # vLLM on the CPU: the CPU build of torch first (so pip does not take a CUDA
 # build), then the project with its CPU and test extras. The SmolLM2 weights
@@ -51,6 +51,14 @@ $(S3BENCH):
 
 bench: $(STAMP) $(S3TEST) $(S3BENCH)
 	$(PY) -m bench
+
+# The soak (bench/soak.py): `tollgate up` with two routers and four simulated
+# workers under steady load while faults arrive one after another; it stops by
+# itself after MINUTES (10) and writes its report to docs/benchmarks.md.
+MINUTES ?= 10
+soak: $(STAMP)
+	$(VENV)/bin/tollgate models prepare SmolLM2-135M-Instruct
+	$(PY) -m bench.soak --minutes $(MINUTES)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -402,6 +402,98 @@ def _control(r: dict[str, Any]) -> list[str]:
     return [*render(r).splitlines(), ""]
 
 
+def _soak(r: dict[str, Any]) -> list[str]:
+    faults = ", ".join(f"{f['name']} ({f['recovery_s']} s)" for f in r["faults"])
+    lines = [
+        "## Soak: faults one after another under steady load",
+        "",
+        f"Measured {r.get('date', '')} with `{r.get('command', 'make soak')}` "
+        "(`python -m bench.soak`): `tollgate up` with "
+        f"{r['routers']} routers and {r['workers']} simulated-engine workers across two models, "
+        f"{r['concurrency']} clients sending stream and non-stream chat, completions and "
+        "streams they hang up, with an unlimited key, a key with a token budget, a "
+        "rate-limited key and a key revoked part-way; one fault at a time, each listed with "
+        "the time until the stack had recovered from it:",
+        "",
+        f"{faults}.",
+        "",
+        "| | count |",
+        "|---|---|",
+        f"| calls sent | {r['sent']} |",
+        f"| accepted (the router gave the call a request id and did not refuse it) "
+        f"| {r['accepted']} |",
+        f"| accepted and answered in full | {r['completed_by_client']} |",
+        f"| sent again to the other router after a refused connection "
+        f"| {r['calls_retried_on_connect']} |",
+    ]
+    for reason, n in r["refused"].items():
+        lines.append(f"| refused: {reason} | {n} |")
+    for kind, causes in r["errors"].items():
+        cause = ", ".join(f"{c}: {n}" for c, n in causes.items())
+        lines.append(f"| error {kind} (by the fault in flight) | {cause} |")
+    lines += [
+        f"| usage rows | {r['rows']} |",
+        f"| accepted calls with their row | {r['rows_for_accepted']} |",
+        f"| accepted calls without a row | {r['missing_rows']} "
+        f"({', '.join(f'{k}: {v}' for k, v in r['missing_rows_by_fault'].items()) or '-'}) |",
+        f"| duplicate rows | {r['duplicates']} |",
+        f"| calls cut off before their response began (no request id) "
+        f"| {r.get('calls_cut_before_response', 0)} |",
+        f"| rows of calls the clients have no id for (of those) / of refused calls "
+        f"| {r['extra_rows']} / {r['refused_with_rows']} |",
+        f"| rows whose tokens differ from the engine's counts | {r['token_mismatches']} |",
+        f"| tokens billed (prompt / completion) | {r['tokens']['prompt']} / "
+        f"{r['tokens']['completion']} |",
+        "",
+        f"Rows by outcome: {', '.join(f'{k} {v}' for k, v in r['rows_by_outcome'].items())}.",
+        "",
+        f"Budget: {r['budget']['billed_tokens']} tokens billed against a budget of "
+        f"{r['budget']['budget_tokens']}; at most {r['budget']['max_calls_in_flight']} calls of "
+        f"that key were in flight, each reserving up to {r['budget']['worst_case_per_call']}. "
+        f"Rate limit: at most {r['rate']['max_accepted_in_a_minute']} calls accepted in one "
+        f"minute for a limit of {r['rate']['rpm']}"
+        + (
+            f" ({r['rate']['max_in_a_minute_nats_restarted']} in the minute NATS restarted: "
+            "the per-minute counters are kept in NATS memory, and a restart forgets them)"
+            if r["rate"].get("max_in_a_minute_nats_restarted")
+            else ""
+        )
+        + ". Revocation: "
+        f"{r['revocation']['accepted_after_grace']} calls accepted after it had propagated, "
+        f"{r['revocation']['refused_401']} refused with 401.",
+        "",
+        "Memory and open files of each service's longest-lived process, sampled every 10 s:",
+        "",
+        "| process | span (s) | RSS first / last / max (MB) | open files first / last / max |",
+        "|---|---|---|---|",
+    ]
+    for role, m in r["memory"].items():
+        lines.append(
+            f"| {role} | {m['span_s']} | {m['rss_first_mb']} / {m['rss_last_mb']} / "
+            f"{m['rss_max_mb']} | {m['fds_first']} / {m['fds_last']} / {m['fds_max']} |"
+        )
+    lines += [
+        "",
+        f"Processes left after the run: {len(r['orphans'])}. "
+        + (
+            "Invariants: all held."
+            if not r["problems"]
+            else "Problems: " + "; ".join(r["problems"]) + "."
+        ),
+        "",
+    ]
+    for text in r.get("stale_instance_reports", []):
+        lines += [
+            "What `tollgate up` said after the `kill -9` of the previous one:",
+            "",
+            "```",
+            text,
+            "```",
+            "",
+        ]
+    return lines
+
+
 def write_report(results: dict[str, Any], path: Path) -> None:
     lines = [
         "# Benchmarks",
@@ -436,6 +528,7 @@ _PARTS = {
     "scaler": _scaler,
     "registry": _registry,
     "control": _control,
+    "soak": _soak,
 }
 _PART_TITLES = {
     "inference": ("Inference",),
@@ -445,6 +538,7 @@ _PART_TITLES = {
     "scaler": ("Scaler",),
     "registry": ("Model registry",),
     "control": ("Control plane",),
+    "soak": ("Soak",),
 }
 
 

@@ -1,0 +1,34 @@
+"""The soak in short: two minutes of mixed load on `tollgate up` while five faults arrive.
+
+``make soak`` runs the same harness (``bench/soak.py``) for ten minutes with
+every fault; this shorter run keeps it working in ``make test``. Every
+invariant the harness checks must hold: one usage row per accepted call and
+none doubled, tokens equal to the engine's counts, errors only while a fault
+was in flight, the budget and the revocation held, nothing left running.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.soak import SHORT_FAULTS, Soak
+
+
+async def test_a_short_soak_with_faults_keeps_every_invariant(
+    prepared_model: Path, tmp_path: Path
+) -> None:
+    soak = Soak(tmp_path / "soak", 2.0, SHORT_FAULTS, prepared_model.parent.parent, seed=7)
+    report = await soak.run()
+    assert [f["name"] for f in report["faults"]] == SHORT_FAULTS
+    assert report["problems"] == [], report["problems"]
+    # the figures behind "no problems", stated once more so a failure reads plainly
+    assert report["accepted"] > 500 and report["missing_rows"] == 0
+    assert report["duplicates"] == 0 and report["refused_with_rows"] == 0
+    assert report["token_mismatches"] == 0 and report["unexplained_errors"] == []
+    assert report["revocation"]["accepted_after_grace"] == 0
+    assert report["revocation"]["refused_401"] > 0  # the revoked key kept trying
+    assert report["refused"].get("429 insufficient_quota", 0) > 0  # the budget ran out
+    assert report["budget"]["billed_tokens"] <= report["budget"]["budget_tokens"] + (
+        report["budget"]["max_calls_in_flight"] * report["budget"]["worst_case_per_call"]
+    )
+    assert report["orphans"] == []
