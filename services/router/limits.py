@@ -20,11 +20,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.errors import NoRespondersError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoStreamResponseError,
+    NotFoundError,
+)
 
 from services.router.errors import QuotaExceeded, RateLimited
 from services.router.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -103,12 +111,34 @@ class Reservation:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-class CounterStore:
-    """Integer counters in one KV bucket, changed by compare-and-set."""
+# What the bus answers when a bucket's stream is gone: a NATS restart loses a
+# bucket kept in memory (the per-minute rate counters).
+_BUCKET_GONE = (NoStreamResponseError, NoRespondersError, BucketNotFoundError, NotFoundError)
 
-    def __init__(self, kv: Any) -> None:
+
+class CounterStore:
+    """Integer counters in one KV bucket, changed by compare-and-set.
+
+    ``reopen`` gets the bucket again (creating it) when its stream is gone;
+    the counters then start again from zero.
+    """
+
+    def __init__(self, kv: Any, reopen: Callable[[], Awaitable[Any]] | None = None) -> None:
         self.kv = kv
+        self.reopen = reopen
         self._seen: dict[str, tuple[int, int]] = {}  # key -> (value, revision)
+
+    async def add(self, key: str, amount: int, limit: int | None = None) -> tuple[bool, int]:
+        """Add ``amount`` unless the result would pass ``limit``; (done, value after)."""
+        try:
+            return await self._add(key, amount, limit)
+        except _BUCKET_GONE:
+            if self.reopen is None:
+                raise
+        log.warning("counter bucket gone (NATS restarted?); creating it again")
+        self.kv = await self.reopen()
+        self._seen.clear()
+        return await self._add(key, amount, limit)
 
     async def _read(self, key: str) -> tuple[int, int]:
         try:
@@ -119,8 +149,7 @@ class CounterStore:
         self._seen[key] = (value, entry.revision)
         return value, entry.revision
 
-    async def add(self, key: str, amount: int, limit: int | None = None) -> tuple[bool, int]:
-        """Add ``amount`` unless the result would pass ``limit``; (done, value after)."""
+    async def _add(self, key: str, amount: int, limit: int | None) -> tuple[bool, int]:
         value, revision = self._seen.get(key) or await self._read(key)
         for _ in range(100):
             new = value + amount
@@ -153,7 +182,10 @@ class Limiter:
     async def open(cls, js: Any, topology: Topology) -> Limiter:
         rates = await topology.bucket(js, topology.ratelimits)
         budgets = await topology.bucket(js, topology.budgets)
-        return cls(CounterStore(rates), CounterStore(budgets))
+        return cls(
+            CounterStore(rates, lambda: topology.bucket(js, topology.ratelimits)),
+            CounterStore(budgets, lambda: topology.bucket(js, topology.budgets)),
+        )
 
     async def reserve(self, record: KeyRecord, worst_tokens: int) -> Reservation:
         """Take one request and ``worst_tokens`` tokens, or raise a 429."""

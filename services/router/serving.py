@@ -178,10 +178,20 @@ class OpenAIServing:
         """Reserve the key's limits, then put the request in the model's queue."""
         reservation = None
         if principal is not None and self.limiter is not None and principal.record.limited:
-            reservation = await self.limiter.reserve(
-                principal.record,
-                worst_case_tokens(prepared.endpoint, prepared.body, prepared.entry.max_model_len),
-            )
+            try:
+                reservation = await self.limiter.reserve(
+                    principal.record,
+                    worst_case_tokens(
+                        prepared.endpoint, prepared.body, prepared.entry.max_model_len
+                    ),
+                )
+            except TollgateError:
+                raise
+            except Exception as exc:  # the limits cannot be checked: refuse, never guess
+                log.warning("limits unavailable: %s: %s", type(exc).__name__, str(exc))
+                raise self._unavailable(
+                    "This key's limits cannot be checked right now. Please retry."
+                ) from None
         try:
             call = await self._dispatch(prepared, request_id, principal)
         except BaseException as exc:

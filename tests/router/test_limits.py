@@ -11,6 +11,8 @@ import pytest
 from tests.conftest import SIM_MODEL, Stack
 from tests.router.test_auth import make_key, wait_status
 from tollgate.keys.records import KeyRecord
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Topology
 
 pytestmark = pytest.mark.usefixtures("sim_workers")
 
@@ -120,3 +122,31 @@ def test_unlimited_keys_skip_the_counters() -> None:
     assert not KeyRecord(key_id="k", tenant="t").limited
     assert KeyRecord(key_id="k", tenant="t", rpm=1).limited
     assert not KeyRecord(key_id="k", tenant="t", budget_tokens=5).limited  # no period
+
+
+async def test_a_rate_bucket_lost_with_a_nats_restart_is_made_again(
+    router_url: str, stack: Stack
+) -> None:
+    """The per-minute counters live in NATS memory: a restart drops their bucket.
+
+    The router creates it again on the next limited request, instead of
+    failing every limited request until it restarts.
+    """
+    token, _ = await make_key(stack, rpm=1000)
+    await wait_status(router_url, token, 200)
+    headers = {"Authorization": f"Bearer {token}"}
+    body = {"model": SIM_MODEL, "messages": MESSAGES, "max_tokens": 1}
+    async with httpx.AsyncClient(timeout=30, headers=headers) as http:
+        assert (await http.post(f"{router_url}{CHAT}", json=body)).status_code == 200
+        nc = await stack.nats.connect(name="test-drop-bucket")
+        try:
+            js = nc.jetstream()
+            bucket = Topology(Subjects()).ratelimits.name
+            await js.delete_key_value(bucket)  # what a restart does to a memory bucket
+            answers = [await http.post(f"{router_url}{CHAT}", json=body) for _ in range(3)]
+            assert [a.status_code for a in answers] == [200, 200, 200], answers[0].text
+            kv = await js.key_value(bucket)  # there again, counting
+            assert await kv.keys(), "the counters are kept again"
+        finally:
+            await nc.close()
+    assert answers[-1].headers["x-ratelimit-remaining-requests"] == str(1000 - 3)
