@@ -177,6 +177,7 @@ class Soak:
         self.up_runs = 0
         self.stop_load = asyncio.Event()
         self.t_start = 0.0
+        self.duplicate_rows = 0
 
     def say(self, text: str) -> None:
         print(f"[{time.monotonic() - self.t_start:7.1f}s] {text}", file=self.out, flush=True)
@@ -586,10 +587,31 @@ class Soak:
                     if stable >= 8:  # 4 s with nothing pending and nothing new
                         break
                 await asyncio.sleep(0.5)
-            result = await run_query(nc, subjects, sql, max_rows=1_000_000, timeout=60)
-            if result.error:
-                raise RuntimeError(result.error)
-            return {str(r[0]): tuple(r) for r in result.rows}
+            dup = await run_query(
+                nc,
+                subjects,
+                "SELECT count() - uniqExact(request_id) FROM usage_events"
+                " WHERE tenant LIKE 'soak-%'",
+            )
+            self.duplicate_rows = int(dup.rows[0][0]) if not dup.error else -1
+            rows: dict[str, tuple[Any, ...]] = {}
+            fetched = 0
+            page = 5000  # under the metering service's row cap and the bus's message size
+            while True:
+                result = await run_query(
+                    nc,
+                    subjects,
+                    f"{sql} ORDER BY request_id LIMIT {page} OFFSET {{offset:UInt64}}",
+                    {"offset": fetched},
+                    max_rows=page,
+                    timeout=60,
+                )
+                if result.error:
+                    raise RuntimeError(result.error)
+                rows.update((str(r[0]), tuple(r)) for r in result.rows)
+                fetched += len(result.rows)
+                if len(result.rows) < page:
+                    return rows
         finally:
             await nc.close()
 
@@ -703,6 +725,8 @@ class Soak:
                 f"{len(extra_rows)} usage rows match no call the clients saw "
                 f"(only {len(headless)} calls broke off before their response began)"
             )
+        if self.duplicate_rows:
+            self.problems.append(f"{self.duplicate_rows} duplicate usage rows")
         if refused_billed:
             self.problems.append(f"{len(refused_billed)} refused calls have a usage row")
         if mismatched:
@@ -730,7 +754,7 @@ class Soak:
             "unexplained_errors": unexplained[:20],
             "rows": len(rows),
             "rows_for_accepted": len(accepted) - len(missing),
-            "duplicates": len(ids) - len(set(ids)),
+            "duplicates": self.duplicate_rows,
             "missing_rows": len(missing),
             "missing_rows_by_fault": dict(missing_explained),
             "missing_examples": [asdict(c) for c in missing[:10]],
