@@ -25,6 +25,7 @@ from services.auth.settings import AuthSettings, load_admin_token
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import SigningKeySet, auth_dir
 from tollgate.runtime.httpserver import BodyTimeout
+from tollgate.runtime.jsonbody import integer_beyond_64_bits, integer_message
 from tollgate.runtime.openapi import add_openapi_route, build_document
 from tollgate.runtime.ops import add_ops_routes
 from tollgate.runtime.settings import CommonSettings
@@ -148,8 +149,13 @@ def _path_id(request: web.Request, name: str) -> str:
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:
     if request.headers.get("Content-Encoding", "").strip().lower() not in _ENCODINGS:
         raise UnsupportedEncoding
+    raw = await request.read() or b"{}"
+    # orjson rounds an integer beyond 64 bits to a float (a limit stored rounded), or
+    # refuses it as invalid JSON: either way not what the client sent
+    if (where := integer_beyond_64_bits(raw)) is not None:
+        raise ValueError(integer_message(where))
     try:
-        data = orjson.loads(await request.read() or b"{}")
+        data = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise ValueError("The body must be valid JSON.") from None
     return model.model_validate(data)

@@ -31,6 +31,7 @@ from services.router.settings import RouterSettings
 from services.router.usage import UsagePublisher
 from tollgate.models.catalog import Catalog, ModelEntry
 from tollgate.runtime import tracing
+from tollgate.runtime.jsonbody import dotted, integer_beyond_64_bits, integer_message
 from tollgate.runtime.workers import WorkerView
 from tollgate.wire.contracts import (
     ChunkKind,
@@ -138,6 +139,9 @@ class OpenAIServing:
         Every number is checked here, before any reservation: a request that
         passes cannot fail later for its shape.
         """
+        # orjson would round an integer beyond 64 bits to a float, or refuse it as invalid JSON
+        if (where := integer_beyond_64_bits(raw)) is not None:
+            raise InvalidRequest(integer_message(where), param=dotted(where))
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:

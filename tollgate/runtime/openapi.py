@@ -32,6 +32,8 @@ from pydantic.json_schema import (
 )
 from pydantic_core import core_schema
 
+from tollgate.runtime.jsonbody import INT_MAX, INT_MIN
+
 OPENAPI_VERSION = "3.1.0"
 OPENAPI_PATH = "/openapi.json"
 REF_TEMPLATE = "#/components/schemas/{model}"
@@ -144,7 +146,10 @@ class Api:
 
 I_JSON = (
     "Request bodies are read as I-JSON (RFC 7493): a string with an unpaired surrogate "
-    "escape (`\\ud800`) is not text, and the body is refused (400)."
+    "escape (`\\ud800`) is not text, and the body is refused (400). Integers are read "
+    f"exactly from {INT_MIN} to {INT_MAX} (64 bits); a body with an integer beyond them, "
+    "in any field, is refused (400, `param` naming the field). Each integer field's "
+    "`maximum` is within them."
 )
 
 ERROR_DESCRIPTION = (
