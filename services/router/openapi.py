@@ -212,7 +212,11 @@ EDGE_RULES = (
     "The body's schema is what the edge checks before dispatch; fields beyond it pass to the "
     "engine, which validates them as `vllm serve` does. The edge also refuses (400) a token "
     "limit larger than the model's context, `min_tokens` over the token limit, "
-    "`top_logprobs` without `logprobs`, and `prompt_logprobs` with `stream`."
+    "`top_logprobs` without `logprobs`, and `prompt_logprobs` with `stream`. Integer "
+    "fields the engine bounds by the model or its flags (token ids by the vocabulary, "
+    "`logprobs`, `top_logprobs` and `prompt_logprobs` by `--max-logprobs`, `min_tokens` by "
+    "the token limit) are documented to int64's maximum; the engine refuses a value past "
+    "its own limit."
 )
 
 

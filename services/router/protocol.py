@@ -23,14 +23,21 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
-    StrictInt,
     StrictStr,
 )
 from pydantic_core import PydanticCustomError
 
+from tollgate.runtime.jsonbody import INT_MAX
+
 # The most choices one request may ask for (vLLM allows 16,384 by default).
 MAX_CHOICES = 128
 _INT64 = 2**63
+# The largest integer documented for a count the engine refuses past a smaller limit it
+# knows (the model's context or vocabulary, --max-logprobs): vLLM's integers are int64.
+INT64_MAX = _INT64 - 1
+# top_k: vLLM takes any top_k past the vocabulary as all tokens, so the limit is the
+# edge's own: the widest integer it reads and forwards (tollgate/runtime/jsonbody.py).
+TOP_K_MAX = INT_MAX
 
 
 def _a_number(value: Any) -> Any:
@@ -40,10 +47,22 @@ def _a_number(value: Any) -> Any:
     return value
 
 
+def _documented(**bounds: int) -> Any:
+    """Bounds in the field's JSON schema only, for a value the edge or the engine refuses
+    with a message of its own (vLLM's, or a refusal in ``problem()``)."""
+    return Field(json_schema_extra=dict(bounds))
+
+
 # An integer given as a JSON number only (16 or 16.0, not "16").
 NumberInt = Annotated[int, BeforeValidator(_a_number)]
 Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES)]
-TokenLimit = Annotated[int, Field(ge=1)]
+# Past the model's context the edge refuses a token limit (serving.py, as vLLM does).
+TokenLimit = Annotated[int, Field(ge=1), _documented(maximum=INT64_MAX)]
+# Refused below -1 by problem(), with vLLM's messages; past --max-logprobs by the engine.
+LOGPROBS = _documented(minimum=-1, maximum=INT64_MAX)
+# A token id, lax as vLLM's (1 or 1.0); one below 0 or past the model's vocabulary is
+# refused by the engine, with vLLM's messages.
+TokenId = Annotated[int, _documented(minimum=0, maximum=INT64_MAX)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
@@ -71,12 +90,13 @@ class _Body(BaseModel):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     n: Choices | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
-    prompt_logprobs: NumberInt | None = None
-    seed: Annotated[int, Field(ge=-_INT64, lt=_INT64)] | None = None
+    # Past the token limit refused by problem(), or by the engine (its default limit).
+    min_tokens: Annotated[int, Field(ge=0), _documented(maximum=INT64_MAX)] | None = None
+    prompt_logprobs: Annotated[NumberInt, LOGPROBS] | None = None
+    seed: Annotated[int, Field(ge=-_INT64, le=INT64_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=TOP_K_MAX)] | None = None
     min_p: Probability | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -121,7 +141,7 @@ class ChatCompletionBody(_Body):
     max_tokens: TokenLimit | None = None
     max_completion_tokens: TokenLimit | None = None
     logprobs: bool | None = None
-    top_logprobs: NumberInt | None = None
+    top_logprobs: Annotated[NumberInt, LOGPROBS] | None = None
 
     @property
     def token_limit(self) -> int | None:
@@ -153,14 +173,14 @@ class CompletionBody(_Body):
     prompt: (
         Annotated[StrictStr, Field(min_length=1)]
         | Annotated[list[StrictStr], Field(min_length=1)]
-        | Annotated[list[StrictInt], Field(min_length=1)]
-        | Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
     # 0 generates nothing: valid only with echo (the prompt's own logprobs).
-    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_tokens: Annotated[int, Field(ge=0), _documented(maximum=INT64_MAX)] | None = None
     best_of: Choices | None = None
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: Annotated[int, LOGPROBS] | None = None
 
     @property
     def token_limit(self) -> int | None:

@@ -3,6 +3,7 @@ before any reservation; the body limit is one the bus can carry."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -46,6 +47,14 @@ REFUSED = [
     (CHAT, {"frequency_penalty": "inf"}, "frequency_penalty"),
     (CHAT, {"repetition_penalty": 0}, "repetition_penalty"),
     (CHAT, {"seed": 2**64}, "seed"),
+    (CHAT, {"seed": 2**63}, "seed"),
+    (CHAT, {"seed": -(2**63) - 1}, "seed"),
+    # beyond 64 bits: what orjson would round to a float, or refuse as not JSON
+    (CHAT, {"max_tokens": 10**400}, "max_tokens"),
+    (CHAT, {"top_k": 2**64}, "top_k"),
+    (COMPLETIONS, {"logprobs": 10**30}, "logprobs"),
+    (COMPLETIONS, {"prompt": [1, 2**64]}, "prompt.1"),
+    (COMPLETIONS, {"prompt": [[1], [-(2**63) - 1]]}, "prompt.1.0"),
 ]
 
 
@@ -76,6 +85,52 @@ def test_bad_numbers_are_refused_before_any_reservation(
     error = assert_openai_error(r, 400, param=param)
     assert error["type"] == "invalid_request_error"
     assert "x-ratelimit-remaining-tokens" not in r.headers
+
+
+# Integers beyond 64 bits anywhere in a body, and the field each error names.
+BEYOND_64_BITS = [
+    ({"extra": {"a": [1, 2**64]}}, "extra.a.1"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": -(2**70)}]}]},
+        "messages.0.content.0.x",
+    ),
+    ({"stop_token_ids": [10**4000]}, "stop_token_ids.0"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param"), BEYOND_64_BITS)
+def test_an_integer_beyond_64_bits_anywhere_is_refused_by_name(
+    router_url: str, tiny_key: str, extra: dict[str, Any], param: str
+) -> None:
+    """Not rounded to a float on its way to the engine, nor called invalid JSON."""
+    r = httpx.post(
+        f"{router_url}{CHAT}",
+        content=json.dumps(_body(CHAT, **extra)),
+        headers={"Authorization": f"Bearer {tiny_key}", "Content-Type": "application/json"},
+        timeout=10,
+    )
+    error = assert_openai_error(r, 400, param=param)
+    assert error["message"] == (
+        f"Invalid value for '{param}': Input should be an integer from "
+        "-9223372036854775808 to 18446744073709551615 (64 bits)."
+    )
+
+
+def test_integers_within_64_bits_and_long_digit_strings_pass_the_edge(
+    router_url: str, auth_headers: dict[str, str], sim_workers: None
+) -> None:
+    """The widest integers the edge reads reach the engine as sent."""
+    body = _body(
+        COMPLETIONS,
+        max_tokens=2,
+        top_k=2**64 - 1,  # vLLM: past the vocabulary, every token
+        seed=-(2**63),
+        extra=[2**64 - 1, -(2**63)],
+    )
+    body["prompt"] = "digits " + "1234567890" * 5  # a run of digits in a string is text
+    r = httpx.post(f"{router_url}{COMPLETIONS}", json=body, headers=auth_headers, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
 
 
 @pytest.mark.parametrize("value", [2.0, "2"], ids=["float", "string"])
