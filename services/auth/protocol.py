@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from tollgate.keys.records import Algorithm, BudgetPeriod
+
+# The most a limit may be: the largest integer a double holds exactly (2**53 - 1), so a
+# limit reads the same in every JSON reader (RFC 7493's interoperable range), and far
+# beyond any real rate or budget.
+MAX_LIMIT = 2**53 - 1
+Limit = Annotated[int, Field(ge=1, le=MAX_LIMIT)]
 
 
 class CreateKey(BaseModel):
@@ -13,9 +21,9 @@ class CreateKey(BaseModel):
     tenant: str = Field(min_length=1, max_length=200)
     name: str = ""
     models: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
-    rpm: int | None = Field(default=None, ge=1)
-    tpm: int | None = Field(default=None, ge=1)
-    budget_tokens: int | None = Field(default=None, ge=1)
+    rpm: Limit | None = None
+    tpm: Limit | None = None
+    budget_tokens: Limit | None = None
     budget_period: BudgetPeriod | None = None
     ttl_s: float | None = Field(
         default=None, gt=0, allow_inf_nan=False, description="Lifetime; none: never expires."
@@ -33,9 +41,9 @@ class UpdateKey(BaseModel):
 
     name: str = None  # type: ignore[assignment]
     models: list[str] = Field(default=None, min_length=1)  # type: ignore[arg-type]
-    rpm: int | None = Field(default=None, ge=1)
-    tpm: int | None = Field(default=None, ge=1)
-    budget_tokens: int | None = Field(default=None, ge=1)
+    rpm: Limit | None = None
+    tpm: Limit | None = None
+    budget_tokens: Limit | None = None
     budget_period: BudgetPeriod | None = None
     expires_at: float | None = Field(default=None, allow_inf_nan=False)
 

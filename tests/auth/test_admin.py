@@ -69,6 +69,35 @@ def test_values_without_a_meaning_are_a_400(admin: httpx.Client) -> None:
     assert admin.patch(f"/admin/keys/{key_id}", json={"rpm": None}).status_code == 200
 
 
+@pytest.mark.parametrize("limit", ["rpm", "tpm", "budget_tokens"])
+def test_limits_are_stored_exactly_up_to_2_53_and_refused_past_it(
+    admin: httpx.Client, limit: str
+) -> None:
+    """No limit is stored rounded: 2**53-1 is kept as sent, and every larger one is a 400
+    naming the field, however many digits it has."""
+    created = admin.post("/admin/keys", json={"tenant": "acme", limit: 2**53 - 1})
+    assert created.status_code == 201, created.text
+    record = created.json()["record"]
+    assert record[limit] == 2**53 - 1
+    key_id = record["key_id"]
+    assert admin.get(f"/admin/keys/{key_id}").json()[limit] == 2**53 - 1
+    json_type = {"Content-Type": "application/json"}
+    for digits in (b"9007199254740992", b"18446744073709551617", b"1" + b"0" * 400, b"9" * 5000):
+        for method, path, body in (
+            ("POST", "/admin/keys", b'{"tenant": "acme", "%s": %s}'),
+            ("PATCH", f"/admin/keys/{key_id}", b'{"%s": %s}'),
+        ):
+            r = admin.request(
+                method, path, content=body % (limit.encode(), digits), headers=json_type
+            )
+            assert r.status_code == 400, (method, digits[:30], r.text)
+            message = r.json()["error"]["message"]
+            assert message.startswith(f"Invalid value for '{limit}'"), message
+            assert len(message) < 200, message  # the number is not quoted back
+    # the refused changes left the limit as it was
+    assert admin.get(f"/admin/keys/{key_id}").json()[limit] == 2**53 - 1
+
+
 async def test_key_lifecycle_reaches_the_router(
     admin: httpx.Client, router_url: str, stack: Stack
 ) -> None:
