@@ -86,10 +86,13 @@ def openai_errors(ctx: Any, response: Response, case: Case) -> bool | None:
 
 
 # The edge's refusals (400) of a body its schema admits that the served document states
-# in prose (services/router/openapi.py EDGE_RULES): rules across fields, the model's context
-# and the batch size, none of which a JSON schema of one body can say.
+# in prose (services/router/openapi.py EDGE_RULES, tollgate/runtime/openapi.py I_JSON):
+# rules across fields, the model's context, the batch size, and an integer beyond 64 bits
+# where the schema takes any value (a content part, a field passed to the engine), none
+# of which a JSON schema of one body can say.
 DOCUMENTED_REFUSALS = re.compile(
     r"is larger than the context of|prompts in one request|"
+    r"Input should be an integer from -9223372036854775808 to 18446744073709551615 \(64 bits\)|"
     r"`prompt_logprobs` are not available when `stream=True`|"
     r"when using `top_logprobs`, `logprobs` must be set to true|"
     r"min_tokens must be less than or equal to|max_tokens must be at least 1, got 0"
@@ -119,19 +122,9 @@ def edge_accepts_what_the_document_admits(ctx: Any, response: Response, case: Ca
     )
 
 
-# Findings already known, each tracked by a strict xfail test below: the run counts them
-# apart, so it stays green until they are fixed, and the xfail fails when they are.
-KNOWN = {
-    # serving.py and services/auth/app.py parse bodies with orjson, which reads an integer
-    # beyond 64 bits as a float and refuses one beyond a double's range; pydantic refuses
-    # one over 4,300 digits. The documents set no maximum on those integers.
-    "integers beyond 64 bits": re.compile(
-        r"We could not parse the JSON body|Invalid value for 'prompt': Input should be a "
-        r"valid string|Unable to parse input string as an integer|The body must be valid JSON"
-    ),
-    # protocol.py: refused below -1 by problem(), with no bound in the fields' schemas
-    "logprobs below -1": re.compile(r"must be a positive value or -1|must be non-negative or -1"),
-}
+# Findings already known, each tracked by a strict xfail test: the run counts them apart,
+# so it stays green until they are fixed, and the xfail fails when they are. None now.
+KNOWN: dict[str, re.Pattern[str]] = {}
 
 
 @dataclass
@@ -354,7 +347,7 @@ async def test_the_documents_are_served_without_a_credential(
             assert r.json()["openapi"] == "3.1.0"
 
 
-# -- known findings, each tracked until it is fixed --------------------------------
+# -- the documents say what the services refuse -------------------------------------
 
 
 def admits(document: dict[str, Any], path: str, body: Any) -> bool:
@@ -364,102 +357,126 @@ def admits(document: dict[str, Any], path: str, body: Any) -> bool:
     return bool(Draft202012Validator(schema).is_valid(body))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="services/router/protocol.py: the edge refuses logprobs, top_logprobs and "
-    "prompt_logprobs below -1 (CompletionBody.problem, ChatCompletionBody.problem, 400) but "
-    "the fields carry no bound, so the document generated from them admits -2",
-)
+CHAT_BODY = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "a"}]}
+COMPLETION_BODY = {"model": SIM_MODEL, "prompt": "a"}
+
+
 @pytest.mark.parametrize(
-    ("path", "body", "param"),
+    ("path", "body", "param", "message"),
     [
-        ("/v1/completions", {"model": SIM_MODEL, "prompt": "a", "logprobs": -2}, "logprobs"),
+        (
+            "/v1/completions",
+            {**COMPLETION_BODY, "logprobs": -2},
+            "logprobs",
+            "logprobs must be non-negative or -1, got -2.",
+        ),
         (
             "/v1/chat/completions",
-            {
-                "model": SIM_MODEL,
-                "messages": [{"role": "user", "content": "a"}],
-                "logprobs": True,
-                "top_logprobs": -2,
-            },
+            {**CHAT_BODY, "logprobs": True, "top_logprobs": -2},
             "top_logprobs",
+            "`top_logprobs` must be a positive value or -1.",
         ),
         (
             "/v1/completions",
-            {"model": SIM_MODEL, "prompt": "a", "prompt_logprobs": -2},
+            {**COMPLETION_BODY, "prompt_logprobs": -2},
             "prompt_logprobs",
+            "`prompt_logprobs` must be a positive value or -1.",
         ),
     ],
     ids=["logprobs", "top_logprobs", "prompt_logprobs"],
 )
-async def test_the_edge_refuses_no_logprobs_value_the_document_admits(
+async def test_logprobs_below_minus_one_are_refused_as_the_document_says(
     router_url: str,
     auth_headers: dict[str, str],
     sim_workers: None,
     path: str,
     body: dict[str, Any],
     param: str,
+    message: str,
 ) -> None:
+    """The edge's messages (vLLM's), and a document that admits -1 but not -2."""
     async with httpx.AsyncClient(timeout=60) as http:
         document = (await http.get(f"{router_url}/openapi.json")).json()
         r = await http.post(f"{router_url}{path}", json=body, headers=auth_headers)
-    refused = r.status_code == 400 and r.json()["error"]["param"] == param
-    assert not (refused and admits(document, path, body)), r.text
+        at_minus_one = {**body, param: -1}
+        if param == "prompt_logprobs":  # -1 is every prompt token's, fine without stream
+            at_minus_one["stream"] = False
+        ok = await http.post(f"{router_url}{path}", json=at_minus_one, headers=auth_headers)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert r.json()["error"]["message"] == message
+    assert not admits(document, path, body)
+    assert admits(document, path, at_minus_one)
+    # -1 (every token's) passes the edge; the engine may refuse it past --max-logprobs
+    assert ok.status_code == 200 or isinstance(ok.json()["error"]["code"], int), ok.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="services/router/serving.py parses bodies with orjson, which reads an integer "
-    "beyond 64 bits as a float and refuses one beyond a double's range as invalid JSON; "
-    "services/router/protocol.py sets no maximum on those integers, so the document admits "
-    "them: a token id of 2**64 in `prompt` is refused as 'Input should be a valid string', "
-    "a max_tokens of 10**400 as 'could not parse the JSON body'",
-)
 @pytest.mark.parametrize(
-    ("raw", "body"),
+    ("raw", "body", "param"),
     [
         (
             b'{"model": "%s", "prompt": [18446744073709551616]}' % SIM_MODEL.encode(),
             {"model": SIM_MODEL, "prompt": [2**64]},
+            "prompt.0",
         ),
         (
             b'{"model": "%s", "prompt": "a", "max_tokens": 1%s}' % (SIM_MODEL.encode(), b"0" * 400),
             {"model": SIM_MODEL, "prompt": "a", "max_tokens": 10**400},
+            "max_tokens",
+        ),
+        (
+            b'{"model": "%s", "prompt": "a", "top_k": 18446744073709551617}' % SIM_MODEL.encode(),
+            {"model": SIM_MODEL, "prompt": "a", "top_k": 2**64 + 1},
+            "top_k",
+        ),
+        (
+            b'{"model": "%s", "prompt": "a", "seed": -9223372036854775809}' % SIM_MODEL.encode(),
+            {"model": SIM_MODEL, "prompt": "a", "seed": -(2**63) - 1},
+            "seed",
         ),
     ],
-    ids=["token-id", "max_tokens"],
+    ids=["token-id", "max_tokens", "top_k", "seed"],
 )
-async def test_the_edge_refuses_no_integer_the_document_admits(
-    router_url: str, auth_headers: dict[str, str], sim_workers: None, raw: bytes, body: Any
+async def test_integers_beyond_64_bits_are_refused_as_the_document_says(
+    router_url: str,
+    auth_headers: dict[str, str],
+    sim_workers: None,
+    raw: bytes,
+    body: Any,
+    param: str,
 ) -> None:
     headers = {**auth_headers, "Content-Type": "application/json"}
     async with httpx.AsyncClient(timeout=60) as http:
         document = (await http.get(f"{router_url}/openapi.json")).json()
         r = await http.post(f"{router_url}/v1/completions", content=raw, headers=headers)
-    refused = r.status_code == 400
-    assert not (refused and admits(document, "/v1/completions", body)), r.text
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(f"Invalid value for '{param}'")
+    assert "64 bits" in error["message"]
+    assert not admits(document, "/v1/completions", body)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="services/auth/protocol.py: rpm, tpm and budget_tokens have no upper bound, so "
-    "the document admits any integer, but services/auth/app.py parses bodies with orjson "
-    "(an integer beyond a double's range: 'The body must be valid JSON') and pydantic refuses "
-    "one over 4,300 digits ('Unable to parse input string as an integer')",
-)
 @pytest.mark.parametrize("limit", ["rpm", "tpm", "budget_tokens"])
-async def test_the_admin_api_refuses_no_limit_the_document_admits(
-    admin_api: tuple[str, str], limit: str
+@pytest.mark.parametrize(
+    ("value", "digits"),
+    [(10**400, b"1" + b"0" * 4400), (2**64 + 1, b"18446744073709551617")],
+    ids=["4401-digits", "2**64+1"],
+)
+async def test_the_admin_api_refuses_limits_as_the_document_says(
+    admin_api: tuple[str, str], limit: str, value: int, digits: bytes
 ) -> None:
     url, token = admin_api
-    huge = 10**4400  # more digits than Python (and pydantic) convert from text
-    raw = b'{"tenant": "schemathesis-huge", "%s": 1%s}' % (limit.encode(), b"0" * 4400)
+    raw = b'{"tenant": "schemathesis-huge", "%s": %s}' % (limit.encode(), digits)
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
     async with httpx.AsyncClient(timeout=60) as http:
         document = (await http.get(f"{url}/openapi.json")).json()
         r = await http.post(f"{url}/admin/keys", content=raw, headers=headers)
-    refused = r.status_code == 400
-    assert not (refused and admits(document, "/admin/keys", {"tenant": "t", limit: huge})), r.text
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(f"Invalid value for '{limit}'")
+    assert not admits(document, "/admin/keys", {"tenant": "t", limit: value})
+    assert admits(document, "/admin/keys", {"tenant": "t", limit: 2**53 - 1})
+    assert not admits(document, "/admin/keys", {"tenant": "t", limit: 2**53})
 
 
 # -- the checks themselves ------------------------------------------------------------
