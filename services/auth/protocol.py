@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from tollgate.keys.records import Algorithm, BudgetPeriod
 
+
+def _a_json_number(value: Any) -> Any:
+    """A JSON number only, as the document types it: pydantic's lax mode would also take
+    ``true`` as 1 and ``"60"`` as 60 (an integral ``60.0`` is a JSON integer, and is 60)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise PydanticCustomError("number_type", "Input should be a JSON number")
+    return value
+
+
+JsonNumber = BeforeValidator(_a_json_number)
 # The most a limit may be: the largest integer a double holds exactly (2**53 - 1), so a
 # limit reads the same in every JSON reader (RFC 7493's interoperable range), and far
 # beyond any real rate or budget.
 MAX_LIMIT = 2**53 - 1
-Limit = Annotated[int, Field(ge=1, le=MAX_LIMIT)]
+Limit = Annotated[int, Field(ge=1, le=MAX_LIMIT), JsonNumber]
 
 
 class CreateKey(BaseModel):
@@ -25,8 +36,8 @@ class CreateKey(BaseModel):
     tpm: Limit | None = None
     budget_tokens: Limit | None = None
     budget_period: BudgetPeriod | None = None
-    ttl_s: float | None = Field(
-        default=None, gt=0, allow_inf_nan=False, description="Lifetime; none: never expires."
+    ttl_s: Annotated[float, Field(gt=0, allow_inf_nan=False), JsonNumber] | None = Field(
+        default=None, description="Lifetime; none: never expires."
     )
 
 
@@ -45,7 +56,7 @@ class UpdateKey(BaseModel):
     tpm: Limit | None = None
     budget_tokens: Limit | None = None
     budget_period: BudgetPeriod | None = None
-    expires_at: float | None = Field(default=None, allow_inf_nan=False)
+    expires_at: Annotated[float, Field(allow_inf_nan=False), JsonNumber] | None = None
 
 
 class RotateSigningKey(BaseModel):

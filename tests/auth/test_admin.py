@@ -69,6 +69,23 @@ def test_values_without_a_meaning_are_a_400(admin: httpx.Client) -> None:
     assert admin.patch(f"/admin/keys/{key_id}", json={"rpm": None}).status_code == 200
 
 
+def test_numbers_are_json_numbers(admin: httpx.Client) -> None:
+    """As the document types them: true is not 1 and "60" is not 60; 60.0 is the integer 60."""
+    for field, value in (("rpm", True), ("tpm", "60"), ("ttl_s", True), ("ttl_s", "3600")):
+        r = admin.post("/admin/keys", json={"tenant": "acme", field: value})
+        assert r.status_code == 400, (field, value, r.text)
+        assert (
+            r.json()["error"]["message"]
+            == f"Invalid value for '{field}': Input should be a JSON number."
+        )
+    created = admin.post("/admin/keys", json={"tenant": "acme", "rpm": 60.0, "ttl_s": 3600})
+    assert created.status_code == 201, created.text
+    key_id = created.json()["record"]["key_id"]
+    assert created.json()["record"]["rpm"] == 60
+    r = admin.patch(f"/admin/keys/{key_id}", json={"expires_at": False})
+    assert r.status_code == 400, r.text
+
+
 @pytest.mark.parametrize("limit", ["rpm", "tpm", "budget_tokens"])
 def test_limits_are_stored_exactly_up_to_2_53_and_refused_past_it(
     admin: httpx.Client, limit: str
