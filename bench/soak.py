@@ -124,7 +124,8 @@ class Call:
 
     @property
     def refused(self) -> bool:
-        return self.status in REFUSALS
+        # a 503 before the call was queued (its key's limits could not be checked)
+        return self.status in REFUSALS or self.code == "limits_unavailable"
 
     @property
     def accepted(self) -> bool:

@@ -193,8 +193,10 @@ class OpenAIServing:
                 raise
             except Exception as exc:  # the limits cannot be checked: refuse, never guess
                 log.warning("limits unavailable: %s: %s", type(exc).__name__, str(exc))
-                raise self._unavailable(
-                    "This key's limits cannot be checked right now. Please retry."
+                raise ServiceUnavailable(
+                    "This key's limits cannot be checked right now. Please retry.",
+                    code="limits_unavailable",
+                    headers={"Retry-After": str(self.settings.retry_after_s)},
                 ) from None
         try:
             call = await self._dispatch(prepared, request_id, principal)
