@@ -829,6 +829,14 @@ class SimulatedEngine:
                 return RefusedAtStart(f"Token id {outside[0]} is out of vocabulary")
         return None
 
+    def _decode_echo(self, ids: list[int]) -> str:
+        """The prompt's text for ``echo``; "" for ids outside the vocabulary, which the
+        start refuses as vLLM does (the tokenizer cannot decode them)."""
+        vocab = max(self._max_token_id, self._vocab_size - 1)
+        if any(not 0 <= i <= vocab for i in ids):
+            return ""
+        return str(self._tokenizer.decode(ids))
+
     def _conversation(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The messages as vLLM hands them to the chat template."""
         conversation = []
@@ -966,7 +974,7 @@ class SimulatedEngine:
         for ids in rendered:
             room = 1 if echo_only else self._room(len(ids), limit, truncate)
             bias = _sampling_checks(request, room, logprobs, prompt_logprobs)
-            echo = self._tokenizer.decode(ids) if request.echo else ""
+            echo = self._decode_echo(ids) if request.echo else ""
             planned.append(_Prompt(ids, room, echo))
         return _Plan(
             chat=False,

@@ -149,3 +149,19 @@ async def test_a_stream_the_engine_refuses_fails_after_its_200(engine: Simulated
     assert result.usage is None and tally.usage().total_tokens == 0
     refused = await engine.run(Endpoint.CHAT, body, "r")  # not streamed: a plain 400
     assert isinstance(refused, ErrorResult) and refused.status == 400
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_of_token_ids_outside_the_vocabulary_is_a_400(
+    engine: SimulatedEngine, stream: bool
+) -> None:
+    """As vLLM: refused as out of vocabulary (a stream: in its first event, after the 200),
+    not an engine failure while decoding the echo."""
+    body = {"prompt": [9223372036854775807, 37], "echo": True, "max_tokens": 2, "stream": stream}
+    result = await engine.run(Endpoint.COMPLETIONS, body, "r")
+    if isinstance(result, StreamResult):
+        texts = [event.text async for event in result.events]
+        assert "out of vocabulary" in texts[0], texts
+    else:
+        assert isinstance(result, ErrorResult) and result.status == 400, result
+        assert "out of vocabulary" in orjson.loads(result.body)["error"]["message"]
