@@ -3,7 +3,7 @@
 A small seeded generator rather than a property-testing library: every case
 is a plain function of ``random.Random(seed)``, so a failing run is replayed
 by its seed alone, and the suite decides per case what the gateway must
-answer (see :class:`Mutation.strict`).
+answer (see :attr:`Generated.refusal`).
 """
 
 from __future__ import annotations
@@ -285,26 +285,28 @@ class Checked:
 
 @dataclass
 class Mutation:
-    """One change to a valid body, and what it obliges the gateway to answer."""
+    """One change to a valid body, for people: ``max_tokens <- "abc"``."""
 
     label: str
-    """Where and what, for people: ``max_tokens <- "abc"``."""
-    strict: bool
-    """The document says the edge refuses this (a 4xx); otherwise any answer but a 5xx."""
 
 
 @dataclass
 class Generated:
     body: Any
     mutations: list[Mutation] = field(default_factory=list)
+    refusal: str | None = None
+    """Why the document says the edge refuses the final body (a 4xx), or None:
+    then any answer but a 5xx. Judged on the body as sent, not on the mutations
+    that made it: a later mutation may undo an earlier one."""
 
     @property
     def strict(self) -> bool:
-        return any(m.strict for m in self.mutations)
+        return self.refusal is not None
 
     @property
     def label(self) -> str:
-        return "; ".join(m.label for m in self.mutations) or "valid"
+        text = "; ".join(m.label for m in self.mutations) or "valid"
+        return f"{text} (refused: {self.refusal})" if self.refusal else text
 
 
 class Generator:
@@ -405,16 +407,60 @@ class Generator:
         """
         out = Generated(copy.deepcopy(body))
         for _ in range(count):
-            mutation = self._mutate_once(out, strict_fields, lax_numbers)
+            mutation = self._mutate_once(out)
             if mutation is not None:
                 out.mutations.append(mutation)
         if not json_text_valid(out.body):
-            out.mutations.append(Mutation("(not valid JSON text)", True))
-        if strict_all and not out.strict:
+            out.refusal = "not valid JSON text"
+        else:
+            out.refusal = self.edge_refusal(out.body, strict_fields, lax_numbers)
+        if strict_all and out.refusal is None:
             invalid = not self.doc.validator(schema).is_valid(clip(out.body))
             if invalid and not (lax_numbers and self._only_lax(out.body, schema)):
-                out.mutations.append(Mutation("(invalid body)", True))
+                out.refusal = "invalid body"
         return out
+
+    def edge_refusal(
+        self, body: Any, strict_fields: dict[str, Checked], lax_numbers: bool
+    ) -> str | None:
+        """The first field of ``body`` that ``strict_fields`` say the edge refuses, or None.
+
+        A field is refused when its object lacks it and requires it, or when
+        its value has not the field's type, bounds or lengths (a number written
+        as a string or a boolean excepted with ``lax_numbers``). A pattern
+        whose containers are not there (or not of the shape it names) is not
+        looked at: the field that holds them is checked on its own.
+        """
+        for pattern, checked in strict_fields.items():
+            *path, name = pattern.split(".")
+            for where, container in self._containers(body, path, ()):
+                if not isinstance(container, dict):
+                    continue
+                shown = ".".join(map(str, (*where, name)))
+                if name not in container:
+                    if checked.required:
+                        return f"{shown} missing"
+                    continue
+                value = container[name]
+                if self.doc.shallow_valid(checked.schema, value):
+                    continue
+                if lax_numbers and lax_number(value):
+                    continue
+                return f"{shown} {preview(value, 40)}"
+        return None
+
+    def _containers(self, value: Any, path: list[str], where: Path_) -> Iterator[tuple[Path_, Any]]:
+        """The values at ``path`` (``*``: every item of a list), with where each is."""
+        if not path:
+            yield where, value
+            return
+        step, rest = path[0], path[1:]
+        if step == "*":
+            if isinstance(value, list):
+                for index, item in enumerate(value):
+                    yield from self._containers(item, rest, (*where, index))
+        elif isinstance(value, dict) and step in value:
+            yield from self._containers(value[step], rest, (*where, step))
 
     def _only_lax(self, body: Any, schema: dict[str, Any]) -> bool:
         """Whether every schema error is a number written as a string or a boolean."""
@@ -435,9 +481,7 @@ class Generator:
                 yield (*prefix, index)
                 yield from self._paths(sub, (*prefix, index))
 
-    def _mutate_once(
-        self, out: Generated, strict_fields: dict[str, Checked], lax_numbers: bool
-    ) -> Mutation | None:
+    def _mutate_once(self, out: Generated) -> Mutation | None:
         rng = self.rng
         paths = list(self._paths(out.body))
         if not paths:
@@ -453,35 +497,21 @@ class Generator:
         ]
         if op == "drop":
             del parent[last]
-            if isinstance(parent, dict):
-                checked = strict_fields.get(pattern)
-                return Mutation(f"drop {pattern}", bool(checked and checked.required))
-            # an item of a list: what is left of the list must still be valid
-            owner = ".".join("*" if isinstance(p, int) else str(p) for p in where[:-1])
-            checked = strict_fields.get(owner)
-            strict = checked is not None and not self.doc.shallow_valid(checked.schema, parent)
-            return Mutation(f"drop {pattern}", strict)
+            return Mutation(f"drop {pattern}")
         if op == "extra":
             container = parent[last] if isinstance(parent[last], dict) else parent
             if not isinstance(container, dict):
                 return None
             name = rng.choice(["x_extra", "", "a.b", "*", ">", "é", "\x00", "$ref", "__proto__"])
             container[name] = rng.choice([1, "x", None, {"a": [1, {"b": 2}]}])
-            return Mutation(f"extra field {name!r} near {pattern}", False)
+            return Mutation(f"extra field {name!r} near {pattern}")
         if op == "nest":
             depth = rng.choice(NEST_DEPTHS)
             parent[last] = nest(parent[last], depth, rng)
-            new = parent[last]
-            label = f"{pattern} nested {depth} deep"
-        else:
-            pool = {"type": WRONG_TYPES, "number": NUMBERS, "string": STRINGS}[op]
-            # a copy: a pool's list or object put in two places would let a later
-            # mutation of one reach the other (and could make the body a cycle)
-            new = copy.deepcopy(rng.choice(pool))
-            parent[last] = new
-            label = f"{pattern} <- {preview(new, 40)}"
-        checked = strict_fields.get(pattern)
-        strict = checked is not None and not self.doc.shallow_valid(checked.schema, new)
-        if strict and lax_numbers and lax_number(new):
-            strict = False
-        return Mutation(label, strict)
+            return Mutation(f"{pattern} nested {depth} deep")
+        pool = {"type": WRONG_TYPES, "number": NUMBERS, "string": STRINGS}[op]
+        # a copy: a pool's list or object put in two places would let a later
+        # mutation of one reach the other (and could make the body a cycle)
+        new = copy.deepcopy(rng.choice(pool))
+        parent[last] = new
+        return Mutation(f"{pattern} <- {preview(new, 40)}")
