@@ -58,6 +58,11 @@ class Case:
     """A 503 about capacity is an honest answer (see the module's doc)."""
     expect: frozenset[int] | None = None
     """When set, the only statuses allowed."""
+    engine_refusal: str | None = None
+    """A valid request the engine refuses when it takes it, as vLLM does: its message.
+    Whole, the answer is a 400 with it; streamed, the refusal may come after the
+    200 as an error event (vLLM's engine checks the prompt once the stream has
+    begun). Either way it is not a success."""
 
 
 @dataclass
@@ -152,8 +157,23 @@ class Findings:
             and not (status == 503 and case.capacity_ok)
         ):
             self.fail(case, f"{status} for a valid request", _short(answer))
+        if case.engine_refusal is not None and status in (200, 201, 400):
+            self._check_engine_refusal(case, answer)
         if status in (200, 201):
             self._check_success(case, answer, response_schema, event_schema)
+
+    def _check_engine_refusal(self, case: Case, answer: Answer) -> None:
+        """The engine's refusal came, as a 400 or as a stream's error event."""
+        assert case.engine_refusal is not None
+        media = (answer.header("content-type") or "").split(";")[0].strip()
+        if answer.status == 200 and media == "text/event-stream":
+            found = _stream_error(answer)
+            if found is None:
+                self.fail(case, "a stream the engine refuses has no error event", _short(answer))
+            elif case.engine_refusal not in found:
+                self.fail(case, "a stream's error event is not the engine's refusal", found[:300])
+        elif answer.status != 400:  # a 400: this refusal, or an earlier one of another field
+            self.fail(case, f"{answer.status} for a request the engine refuses", _short(answer))
 
     def _check_success(
         self,
@@ -200,7 +220,7 @@ class Findings:
                 self.fail(case, "a stream event is not JSON", data[:200].decode(errors="replace"))
                 return
             if isinstance(event, dict) and "error" in event:
-                if case.valid:
+                if case.valid and case.engine_refusal is None:
                     self.fail(case, "a valid stream ended with an error event", data[:300].decode())
                 return
             if event_schema is not None:
@@ -254,6 +274,20 @@ def error_shape_problem(answer: Answer) -> str | None:
     code = error["code"]
     if code is not None and (isinstance(code, bool) or not isinstance(code, str | int)):
         return "code is not a string, an integer or null"
+    return None
+
+
+def _stream_error(answer: Answer) -> str | None:
+    """The message of a stream's first error event (None: no error event)."""
+    for line in answer.body.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            event = orjson.loads(line[len(b"data: ") :])
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(event, dict) and isinstance(event.get("error"), dict):
+            return str(event["error"].get("message"))
     return None
 
 

@@ -95,6 +95,22 @@ def encoded(name: str, safe: str = "") -> str:
     return quote(name.encode("utf-8", "surrogatepass"), safe=safe)
 
 
+EMPTY_PROMPT = "The decoder prompt cannot be empty"
+
+
+def engine_refusal(body: Any) -> str | None:
+    """What vLLM's engine refuses in a body the document calls valid: its message, or None.
+
+    An empty string in a batch of prompts (``["", "x"]``) is a valid batch for
+    the edge and for vLLM's serving layer, as the document types it; the
+    engine refuses the empty prompt when it takes the request.
+    """
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list) and "" in prompt:
+        return EMPTY_PROMPT
+    return None
+
+
 class RouterTraffic:
     """Draws requests to the router from docs/openapi/router.yaml."""
 
@@ -154,6 +170,7 @@ class RouterTraffic:
             strict=drawn.strict,
             valid=valid,
             capacity_ok=True,
+            engine_refusal=engine_refusal(drawn.body) if valid else None,
         )
         return Request(
             case,
