@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from tollgate.runtime.procs import die_with_parent
 from tollgate.wire.subjects import model_token
 
 log = logging.getLogger("tollgate.scaler")
@@ -124,17 +125,6 @@ class GpuPool:
         """Devices a worker no longer holds (it exited)."""
         back = set(devices) & (set(self.devices) - set(self._free))
         self._free = [d for d in self.devices if d in back or d in self._free]
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM (and drain) if the scaler dies, so none is orphaned."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: a crashed scaler leaves its workers to the operator
 
 
 # What a local worker process inherits from the scaler's environment: the
@@ -274,7 +264,8 @@ class LocalBackend:
                 stdout=log_file,
                 stderr=log_file,
                 start_new_session=True,  # its own process group, with its engine
-                preexec_fn=_die_with_parent,
+                # SIGTERM (a drain) if the scaler dies, so no worker is orphaned
+                preexec_fn=die_with_parent,
             )
         except BaseException:
             log_file.close()

@@ -31,7 +31,6 @@ died before) and passes its own pid on to its children.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -39,29 +38,17 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
+from tollgate.runtime.procs import set_parent_death_signal
+
 log = logging.getLogger("tollgate.worker")
 
 PARENT_ENV = "TOLLGATE_ENGINE_PARENT_PID"
-_PR_SET_PDEATHSIG = 1
-
-try:  # loaded in the worker, so a forked child needs no dlopen
-    _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
-except OSError:  # pragma: no cover - not Linux
-    _libc = None
 
 # Set in the parent just before each fork; the child reads its copy. The
 # parent-death signal fires when the *thread* that forked exits, so only a
 # child of the worker's main thread (the engine's) can arm it safely.
 _forked_by_main_thread = False
 _guarded = False
-
-
-def set_parent_death_signal(sig: int) -> bool:
-    """Have the kernel send ``sig`` to this process when its parent exits (Linux)."""
-    prctl = getattr(_libc, "prctl", None)
-    if prctl is None:
-        return False
-    return bool(prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0)
 
 
 def die_with_parent() -> bool:

@@ -12,6 +12,7 @@ Everything here reads ``/proc``; on other systems the lookups find nothing.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import time
@@ -24,20 +25,32 @@ _PR_SET_PDEATHSIG = 1
 PROC = Path("/proc")
 
 
+try:  # loaded at import, so a child between fork and exec needs no dlopen
+    _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:  # pragma: no cover - not Linux
+    _libc = None
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent exits (Linux).
+
+    The signal is tied to the parent *thread* that forked this process.
+    Returns whether it is armed.
+    """
+    prctl = getattr(_libc, "prctl", None)
+    if prctl is None:
+        return False
+    return bool(prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0)
+
+
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """In a child between fork and exec: receive ``sig`` when the parent dies.
 
-    Used as ``preexec_fn``. The signal is tied to the thread that forked, so
-    the parent must start children from a thread that lives as long as it
-    does (the event loop's thread).
+    Used as ``preexec_fn``; the parent must start children from a thread that
+    lives as long as it does (the event loop's thread). Not on Linux: nothing
+    is armed, and the supervisor's stale-instance check is the fallback.
     """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, sig)
-    except OSError:
-        pass  # not Linux: the supervisor's stale-instance check is the fallback
+    set_parent_death_signal(sig)
 
 
 @dataclass(frozen=True)
