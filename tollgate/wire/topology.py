@@ -124,6 +124,9 @@ class BucketSpec:
     history: int = 1
     ttl_s: float | None = None
     contract: Contract = None  # of a value
+    # bounds for a bucket its writers could otherwise fill (None: the server's)
+    max_bytes: int | None = None
+    max_value_size: int | None = None
 
     def config(self, replicas: int) -> KeyValueConfig:
         return KeyValueConfig(
@@ -132,6 +135,8 @@ class BucketSpec:
             history=self.history,
             ttl=self.ttl_s,
             replicas=replicas,
+            max_bytes=self.max_bytes,
+            max_value_size=self.max_value_size,
         )
 
 
@@ -303,6 +308,9 @@ class Topology:
             readers=_roles(R.ROUTER),
             ttl_s=86400.0,
             contract=c.ResponseChunk,
+            # workers write it: bounded (a full bucket refuses new reports; they expire in a day)
+            max_bytes=256 * 1024 * 1024,
+            max_value_size=64 * 1024,
         )
         self.ratelimits = BucketSpec(
             "requests and tokens per key and minute (compare-and-set)",
