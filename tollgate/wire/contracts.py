@@ -29,6 +29,17 @@ class Endpoint(StrEnum):
     MESSAGES = "messages"
 
 
+class Priority(StrEnum):
+    """A request's class: batch work fills free capacity and yields to interactive."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
+# The engine's own request priority for each class (vLLM: lower runs first).
+ENGINE_PRIORITY = {Priority.INTERACTIVE: 0, Priority.BATCH: 10}
+
+
 class InferenceRequest(_Contract):
     """A call waiting in a model's work-queue stream for a worker."""
 
@@ -45,6 +56,18 @@ class InferenceRequest(_Contract):
     deadline: float = Field(description="Unix time by which the whole request must be finished.")
     tenant: str | None = Field(default=None, description="Tenant of the API key (who pays).")
     key_id: str | None = Field(default=None, description="Id of the API key used.")
+    priority: Priority = Field(
+        default=Priority.INTERACTIVE, description="Its class: interactive or batch."
+    )
+    tenant_weight: float = Field(
+        default=1.0, gt=0, le=1000, description="The tenant's share of a saturated model."
+    )
+    key_weight: float = Field(
+        default=1.0, gt=0, le=1000, description="The key's share within its tenant."
+    )
+    attempt: int = Field(
+        default=0, ge=0, le=8, description="0; 1 when queued again after its worker was lost."
+    )
 
 
 class Arrival(_Contract):
@@ -181,6 +204,9 @@ class WorkerHeartbeat(_Contract):
         default=None,
         description="Once ready: startup_s by part (process, fetch, convert, engine, warmup).",
     )
+    started_at: float | None = Field(
+        default=None, description="Unix time the worker process started."
+    )
 
 
 # Bounds every reader of a usage event applies (the contract's own validation):
@@ -239,6 +265,14 @@ class UsageEvent(_Contract):
     ttft_s: float | None = Field(default=None, ge=0, description="Seconds until the first output.")
     total_s: float = Field(ge=0, description="Seconds from arrival to the end.")
     http_status: int = Field(ge=0, lt=2**16, description="HTTP status the client got.")
+    attempts: int = Field(
+        default=1,
+        ge=1,
+        le=9,
+        description="Times it was queued: 2 when its first worker was lost before any "
+        "output and another served it.",
+    )
+    priority: Priority = Field(default=Priority.INTERACTIVE, description="Its class.")
 
     @field_validator("queue_s", "ttft_s", mode="before")
     @classmethod
