@@ -95,8 +95,8 @@ def admin_api() -> Api:
             "PATCH",
             "/admin/keys/{key_id}",
             "updateKey",
-            "Change a key's name, models, limits or expiry; reaches every router within "
-            "milliseconds.",
+            "Change a key's name, models, limits, share, class or expiry; reaches every router "
+            "within milliseconds.",
             ("keys",),
             {
                 200: Answer("The record after the change.", KeyRecord),

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 from pydantic_core import PydanticCustomError
 
 from tollgate.keys.records import Algorithm, BudgetPeriod
+from tollgate.wire.contracts import Priority
 
 
 def _a_json_number(value: Any) -> Any:
@@ -24,6 +25,7 @@ JsonNumber = BeforeValidator(_a_json_number)
 # beyond any real rate or budget.
 MAX_LIMIT = 2**53 - 1
 Limit = Annotated[int, Field(ge=1, le=MAX_LIMIT), JsonNumber]
+Weight = Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False), JsonNumber]
 
 
 class CreateKey(BaseModel):
@@ -36,6 +38,18 @@ class CreateKey(BaseModel):
     tpm: Limit | None = None
     budget_tokens: Limit | None = None
     budget_period: BudgetPeriod | None = None
+    max_concurrent: Limit | None = Field(
+        default=None, description="Calls in flight at once, across every router; none when null."
+    )
+    weight: Weight = Field(
+        default=1.0, description="The key's share of a saturated model within its tenant."
+    )
+    priority: Priority = Field(default=Priority.INTERACTIVE, description="The key's class.")
+    priority_header: StrictBool = Field(
+        default=False,
+        description="A batch key's calls may raise themselves to interactive with "
+        "X-Tollgate-Priority.",
+    )
     ttl_s: Annotated[float, Field(gt=0, allow_inf_nan=False), JsonNumber] | None = Field(
         default=None, description="Lifetime; none: never expires."
     )
@@ -44,8 +58,9 @@ class CreateKey(BaseModel):
 class UpdateKey(BaseModel):
     """Only the fields present change; ``null`` clears a limit.
 
-    ``name`` and ``models`` are not limits: they have no null (an absent
-    field keeps its value; the default of ``None`` only marks it absent).
+    ``name``, ``models``, ``weight``, ``priority`` and ``priority_header`` are
+    not limits: they have no null (an absent field keeps its value; the
+    default of ``None`` only marks it absent).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -56,6 +71,10 @@ class UpdateKey(BaseModel):
     tpm: Limit | None = None
     budget_tokens: Limit | None = None
     budget_period: BudgetPeriod | None = None
+    max_concurrent: Limit | None = None
+    weight: Weight = None  # type: ignore[assignment]
+    priority: Priority = None  # type: ignore[assignment]
+    priority_header: StrictBool = None  # type: ignore[assignment]
     expires_at: Annotated[float, Field(allow_inf_nan=False), JsonNumber] | None = None
 
 

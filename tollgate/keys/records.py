@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tollgate.wire.contracts import Priority
+
 Algorithm = Literal["EdDSA", "RS256", "HS256"]
 
 
@@ -52,6 +54,29 @@ class KeyRecord(BaseModel):
     budget_tokens: int | None = Field(default=None, ge=1, description="Tokens per period.")
     budget_period: BudgetPeriod | None = Field(default=None, description="Budget period.")
     expires_at: float | None = Field(default=None, description="Unix expiry; none: never.")
+    max_concurrent: int | None = Field(
+        default=None,
+        ge=1,
+        description="Requests this key may have in flight at once, across every router; none: "
+        "no limit.",
+    )
+    weight: float = Field(
+        default=1.0,
+        gt=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="The key's share of a saturated model within its tenant, against the "
+        "weights of the tenant's other keys.",
+    )
+    priority: Priority = Field(
+        default=Priority.INTERACTIVE,
+        description="The key's class: batch work fills free capacity and yields to interactive.",
+    )
+    priority_header: bool = Field(
+        default=False,
+        description="Whether a call of a batch key may raise itself to interactive with "
+        "X-Tollgate-Priority (any key may lower itself to batch).",
+    )
     capture: bool = Field(
         default=False, description="Keep this key's requests and responses for analysis."
     )
@@ -74,7 +99,8 @@ class KeyRecord(BaseModel):
     def limited(self) -> bool:
         """Whether any limit applies (unlimited keys skip the shared counters)."""
         return (
-            self.rpm is not None
+            self.max_concurrent is not None
+            or self.rpm is not None
             or self.tpm is not None
             or (self.budget_tokens is not None and self.budget_period is not None)
         )
