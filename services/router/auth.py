@@ -31,11 +31,18 @@ from typing import Any
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
-from services.router.errors import ModelNotFound, QuotaExceeded, TollgateError
+from services.router.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    PermissionDenied,
+    QuotaExceeded,
+    TollgateError,
+)
 from tollgate.keys.records import KeyRecord, KeyState, SigningKey
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import InvalidToken, TokenVerifier, strip_prefix
 from tollgate.models.catalog import ModelEntry
+from tollgate.wire.contracts import Priority
 from tollgate.wire.topology import Role, Topology
 
 log = logging.getLogger("tollgate.router.auth")
@@ -60,6 +67,42 @@ class Principal:
     key_id: str
     tenant: str
     record: KeyRecord
+
+
+PRIORITY_HEADER = "X-Tollgate-Priority"
+
+
+def request_priority(record: KeyRecord | None, header: str | None) -> Priority:
+    """A call's class: its key's, or the one ``X-Tollgate-Priority`` chooses.
+
+    Any call may lower itself to ``batch``. Raising a batch key's call to
+    ``interactive`` needs the key's ``priority_header`` (else a 403): the class
+    is what the key was sold, and the header must not buy it up. Without a key
+    (the router runs without auth) the header is taken as it is. The value is
+    read without regard to case or surrounding spaces; any other value is a 400.
+    """
+    default = record.priority if record is not None else Priority.INTERACTIVE
+    if header is None:
+        return default
+    try:
+        chosen = Priority(header.strip().lower())
+    except ValueError:
+        raise InvalidRequest(
+            f"Invalid value for {PRIORITY_HEADER}: it must be 'interactive' or 'batch'.",
+            param=PRIORITY_HEADER,
+            code="invalid_priority",
+        ) from None
+    if (
+        chosen is Priority.INTERACTIVE
+        and record is not None
+        and record.priority is Priority.BATCH
+        and not record.priority_header
+    ):
+        raise PermissionDenied(
+            "This key's calls are batch calls: it may not choose interactive with "
+            f"{PRIORITY_HEADER}. Ask the key's owner to allow the header, or send none."
+        )
+    return chosen
 
 
 def _token(request: web.Request) -> str | None:

@@ -42,6 +42,14 @@ class InvalidRequest(TollgateError):
     type = "invalid_request_error"
 
 
+class PermissionDenied(TollgateError):
+    """The key is valid but may not do what the request asks (403)."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
+
+
 class ModelNotFound(TollgateError):
     status = 404
     type = "invalid_request_error"
@@ -110,6 +118,14 @@ class ServiceUnavailable(TollgateError):
     status = 503
     type = "service_unavailable"
     code = "no_capacity"
+
+
+class Overloaded(TollgateError):
+    """The model's queue is full: refused at once, with a Retry-After (not accepted)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "model_overloaded"
 
 
 class WorkerLost(TollgateError):
