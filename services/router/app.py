@@ -110,7 +110,10 @@ def create_app(
 
         async def settle_lost(held: dict[str, Any], tokens: int) -> None:
             reservation = Reservation(
-                tokens=held["tokens"], tpm_key=held["tpm_key"], budget_key=held["budget_key"]
+                tokens=held["tokens"],
+                tpm_key=held["tpm_key"],
+                budget_key=held["budget_key"],
+                concurrency_key=held.get("concurrency_key"),  # absent in older outboxes
             )
             await limiter.settle(reservation, tokens)
 

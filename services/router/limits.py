@@ -7,7 +7,22 @@ one round trip when it is the only writer, a read and a retry when not.
 
 - requests/min and tokens/min: fixed one-minute windows (the ``ratelimits`` bucket,
   memory storage, entries expire after two minutes);
-- token budgets per day, month or in total (the ``budgets`` bucket, file storage).
+- token budgets per day, month or in total (the ``budgets`` bucket, file storage);
+- calls in flight per key (``conc.<key_id>`` in the ``ratelimits`` bucket): one
+  unit taken before dispatch, given back when the call is settled.
+
+The in-flight counter lives in a bucket whose entries expire two minutes after
+their last write, and a call may run far longer (``request_timeout_s``). So a
+router rewrites, every :attr:`Limiter.refresh_s` seconds, each counter it holds
+units of: a long call keeps its unit, and the counter vanishes only once no
+router has held it for two minutes. The same expiry is what frees units a
+router never gave back: one killed mid-call gives its units back when it starts
+again on its outbox (the lost calls are settled), and if it never does, they
+are freed once the counter has gone two minutes unwritten (a key whose every
+unit is lost refuses calls without writing, so that is two minutes; a key that
+keeps running at its remaining units keeps its counter, and the lost units,
+until it is quiet that long). A NATS restart loses the bucket: counting starts
+again from zero, and a unit given back to a counter at zero leaves it at zero.
 
 Tokens are reserved before dispatch at the worst case (:func:`worst_case_tokens`:
 an upper bound of every prompt plus the completion limit for each prompt and
@@ -18,6 +33,8 @@ requests raced.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -108,7 +125,24 @@ class Reservation:
     tokens: int = 0
     tpm_key: str | None = None
     budget_key: str | None = None
+    concurrency_key: str | None = None  # cleared once its unit is given back
     headers: dict[str, str] = field(default_factory=dict)
+
+
+class ConcurrencyLimited(RateLimited):
+    """The key has ``max_concurrent`` calls in flight already (429).
+
+    It carries no ``Retry-After``: when a slot frees depends on how fast the
+    key's calls finish, which the serving layer measures and adds.
+    """
+
+    code = "concurrency_limit_exceeded"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"Too many concurrent requests for this key: {limit} at once. "
+            "Please retry when one finishes."
+        )
 
 
 # What the bus answers when a bucket's stream is gone: a NATS restart loses a
@@ -128,17 +162,25 @@ class CounterStore:
         self.reopen = reopen
         self._seen: dict[str, tuple[int, int]] = {}  # key -> (value, revision)
 
-    async def add(self, key: str, amount: int, limit: int | None = None) -> tuple[bool, int]:
-        """Add ``amount`` unless the result would pass ``limit``; (done, value after)."""
+    async def add(
+        self, key: str, amount: int, limit: int | None = None, floor: int | None = None
+    ) -> tuple[bool, int]:
+        """Add ``amount`` unless the result would pass ``limit``; (done, value after).
+
+        With ``floor``, the result is never below it: taking back more than a
+        counter holds (it expired, or NATS restarted, since the units were
+        taken) leaves it at ``floor``, and writes nothing when it is there.
+        Adding 0 rewrites the counter as it is, which renews its expiry.
+        """
         try:
-            return await self._add(key, amount, limit)
+            return await self._add(key, amount, limit, floor)
         except _BUCKET_GONE:
             if self.reopen is None:
                 raise
         log.warning("counter bucket gone (NATS restarted?); creating it again")
         self.kv = await self.reopen()
         self._seen.clear()
-        return await self._add(key, amount, limit)
+        return await self._add(key, amount, limit, floor)
 
     async def _read(self, key: str) -> tuple[int, int]:
         try:
@@ -149,15 +191,19 @@ class CounterStore:
         self._seen[key] = (value, entry.revision)
         return value, entry.revision
 
-    async def _add(self, key: str, amount: int, limit: int | None) -> tuple[bool, int]:
+    async def _add(
+        self, key: str, amount: int, limit: int | None, floor: int | None = None
+    ) -> tuple[bool, int]:
         value, revision = self._seen.get(key) or await self._read(key)
         for _ in range(100):
-            new = value + amount
-            if limit is not None and amount > 0 and new > limit:
-                # Refuse only on a fresh read: the remembered value may be stale.
+            new = value + amount if floor is None else max(floor, value + amount)
+            refused = limit is not None and amount > 0 and new > limit
+            if refused or (amount and new == value):
+                # Refuse, or leave as it is, only on a fresh read: the remembered
+                # value may be stale.
                 fresh, fresh_revision = await self._read(key)
                 if fresh_revision == revision:
-                    return False, fresh
+                    return not refused, fresh
                 value, revision = fresh, fresh_revision
                 continue
             try:
@@ -174,9 +220,19 @@ class CounterStore:
 
 
 class Limiter:
-    def __init__(self, rates: CounterStore, budgets: CounterStore) -> None:
+    # How often a router rewrites the in-flight counters it holds units of: well
+    # inside the two minutes after which the ratelimits bucket forgets an entry.
+    REFRESH_S = 30.0
+
+    def __init__(
+        self, rates: CounterStore, budgets: CounterStore, refresh_s: float = REFRESH_S
+    ) -> None:
         self.rates = rates
         self.budgets = budgets
+        self.refresh_s = refresh_s
+        self._holding: dict[str, int] = {}  # in-flight counter -> units this router holds
+        self._nothing_held = asyncio.Event()
+        self._keeper: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(cls, js: Any, topology: Topology) -> Limiter:
@@ -188,33 +244,57 @@ class Limiter:
         )
 
     async def reserve(self, record: KeyRecord, worst_tokens: int) -> Reservation:
-        """Take one request and ``worst_tokens`` tokens, or raise a 429."""
+        """Take one call in flight, one request and ``worst_tokens`` tokens, or raise a 429.
+
+        Whatever refuses (or fails), every unit already taken is given back.
+        """
         if worst_tokens < 0:
             raise ValueError(f"a reservation cannot be negative: {worst_tokens}")
         now = time.time()
         minute = int(now // 60)
         reset = str(60 - int(now % 60))
         held = Reservation()
-        if record.rpm is not None:
-            key = f"rpm.{record.key_id}.{minute}"
-            await self._take(held, key, 1, record.rpm, "requests", reset)
-        if record.tpm is not None:
-            key = f"tpm.{record.key_id}.{minute}"
-            await self._take(held, key, worst_tokens, record.tpm, "tokens", reset)
-            held.tpm_key = key
-        held.tokens = worst_tokens
-        if record.budget_tokens is not None and record.budget_period is not None:
-            key = f"{record.key_id}.{budget_window(record.budget_period, now)}"
-            ok, _ = await self.budgets.add(key, worst_tokens, record.budget_tokens)
-            if not ok:
-                await self.settle(held, 0)  # give back the tokens/min it took
-                raise QuotaExceeded(
-                    "You exceeded your current quota: this key's token budget for the "
-                    f"{record.budget_period} cannot cover this request.",
-                    headers=held.headers,
-                )
-            held.budget_key = key
+        rpm_key: str | None = None
+        try:
+            if record.max_concurrent is not None:
+                key = f"conc.{record.key_id}"
+                ok, _ = await self.rates.add(key, 1, record.max_concurrent)
+                if not ok:
+                    raise ConcurrencyLimited(record.max_concurrent)
+                held.concurrency_key = key
+                self._hold(key)
+            if record.rpm is not None:
+                key = f"rpm.{record.key_id}.{minute}"
+                await self._take(held, key, 1, record.rpm, "requests", reset)
+                rpm_key = key
+            if record.tpm is not None:
+                key = f"tpm.{record.key_id}.{minute}"
+                await self._take(held, key, worst_tokens, record.tpm, "tokens", reset)
+                held.tpm_key = key
+            held.tokens = worst_tokens
+            if record.budget_tokens is not None and record.budget_period is not None:
+                key = f"{record.key_id}.{budget_window(record.budget_period, now)}"
+                ok, _ = await self.budgets.add(key, worst_tokens, record.budget_tokens)
+                if not ok:
+                    raise QuotaExceeded(
+                        "You exceeded your current quota: this key's token budget for the "
+                        f"{record.budget_period} cannot cover this request.",
+                        headers=held.headers,
+                    )
+                held.budget_key = key
+        except BaseException:
+            await self._give_back(held, rpm_key)
+            raise
         return held
+
+    async def _give_back(self, held: Reservation, rpm_key: str | None) -> None:
+        """Return what a refused reservation took: the call, the request, the tokens."""
+        if rpm_key is not None:
+            try:
+                await self.rates.add(rpm_key, -1, floor=0)
+            except Exception as exc:
+                log.error("giving back a request failed: %s: %s", type(exc).__name__, str(exc))
+        await self.settle(held, 0)
 
     async def _take(
         self, held: Reservation, key: str, amount: int, limit: int, kind: str, reset: str
@@ -247,12 +327,69 @@ class Limiter:
             log.error("negative token count %d settled as 0", actual_tokens)
             actual_tokens = 0
         delta = actual_tokens - held.tokens
+        await self.release(held)
         try:
             if held.tpm_key and delta:
-                await self.rates.add(held.tpm_key, delta)
+                await self.rates.add(held.tpm_key, delta, floor=0)
             if held.budget_key and delta:
-                await self.budgets.add(held.budget_key, delta)
+                await self.budgets.add(held.budget_key, delta, floor=0)
         except Exception as exc:
             log.error("settling a reservation failed: %s: %s", type(exc).__name__, str(exc))
             log.debug("settling a reservation failed", exc_info=True)
         held.tokens = actual_tokens
+
+    async def release(self, held: Reservation) -> None:
+        """Give back the reservation's call in flight, once (never raises).
+
+        :meth:`settle` calls it; a second call, or a settle after it, gives
+        back nothing more. The counter never goes below zero.
+        """
+        key, held.concurrency_key = held.concurrency_key, None
+        if key is None:
+            return
+        self._unhold(key)
+        try:
+            await self.rates.add(key, -1, floor=0)
+        except Exception as exc:
+            log.error("giving back a call in flight failed: %s: %s", type(exc).__name__, str(exc))
+            log.debug("giving back a call in flight failed", exc_info=True)
+
+    def _hold(self, key: str) -> None:
+        self._holding[key] = self._holding.get(key, 0) + 1
+        self._nothing_held.clear()
+        if self._keeper is None or self._keeper.done():
+            self._keeper = asyncio.create_task(self._keep_counters())
+
+    def _unhold(self, key: str) -> None:
+        # A reservation another run of this router took (a lost call) is not ours.
+        if key not in self._holding:
+            return
+        self._holding[key] -= 1
+        if self._holding[key] <= 0:
+            del self._holding[key]
+        if not self._holding:
+            self._nothing_held.set()
+
+    async def _keep_counters(self) -> None:
+        """While this router holds calls in flight, rewrite their counters so they stay."""
+        while self._holding:
+            try:
+                await asyncio.wait_for(self._nothing_held.wait(), self.refresh_s)
+            except TimeoutError:
+                for key in list(self._holding):
+                    try:
+                        await self.rates.add(key, 0)
+                    except Exception as exc:
+                        log.warning(
+                            "renewing a call-in-flight counter failed: %s: %s",
+                            type(exc).__name__,
+                            str(exc),
+                        )
+
+    async def close(self) -> None:
+        """Stop renewing counters (the router is stopping)."""
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
+            self._keeper = None

@@ -4,17 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import KeyNotFoundError
 
-from tests.conftest import SIM_MODEL, Stack
+from services.router.auth import request_priority
+from services.router.errors import InvalidRequest, PermissionDenied, QuotaExceeded, RateLimited
+from services.router.limits import ConcurrencyLimited, CounterStore, Limiter, Reservation
+from tests.conftest import SIM_MODEL, NatsServer, Stack
 from tests.router.test_auth import make_key, wait_status
 from tollgate.keys.records import KeyRecord
+from tollgate.wire import bus
+from tollgate.wire.contracts import Priority
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Topology
 
-pytestmark = pytest.mark.usefixtures("sim_workers")
+# the tests through a router need workers; those on the limiter alone need only NATS
+through_routers = pytest.mark.usefixtures("sim_workers")
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -26,6 +36,7 @@ async def clear_of_minute_edge() -> None:
         await asyncio.sleep(61 - time.time() % 60)
 
 
+@through_routers
 async def test_requests_per_minute_hold_across_two_routers(router_url: str, stack: Stack) -> None:
     _, second = stack.router()
     token, _ = await make_key(stack, rpm=10)
@@ -54,6 +65,7 @@ async def test_requests_per_minute_hold_across_two_routers(router_url: str, stac
     assert ok[0].headers["x-ratelimit-limit-requests"] == "10"
 
 
+@through_routers
 async def test_tokens_per_minute_refuse_a_request_that_cannot_fit(
     router_url: str, stack: Stack
 ) -> None:
@@ -85,6 +97,7 @@ async def budget_used(stack: Stack, record_key: str) -> int:
         await nc.close()
 
 
+@through_routers
 async def test_fifty_concurrent_requests_against_a_budget_that_fits_ten(
     router_url: str, stack: Stack
 ) -> None:
@@ -122,8 +135,12 @@ def test_unlimited_keys_skip_the_counters() -> None:
     assert not KeyRecord(key_id="k", tenant="t").limited
     assert KeyRecord(key_id="k", tenant="t", rpm=1).limited
     assert not KeyRecord(key_id="k", tenant="t", budget_tokens=5).limited  # no period
+    assert KeyRecord(key_id="k", tenant="t", max_concurrent=3).limited
+    # fair share settings are not limits: they change the order of calls, not how many
+    assert not KeyRecord(key_id="k", tenant="t", weight=5, priority=Priority.BATCH).limited
 
 
+@through_routers
 async def test_a_rate_bucket_lost_with_a_nats_restart_is_made_again(
     router_url: str, stack: Stack
 ) -> None:
@@ -150,3 +167,239 @@ async def test_a_rate_bucket_lost_with_a_nats_restart_is_made_again(
         finally:
             await nc.close()
     assert answers[-1].headers["x-ratelimit-remaining-requests"] == str(1000 - 3)
+
+
+# -- a key's class: X-Tollgate-Priority ----------------------------------------
+
+INTERACTIVE_KEY = KeyRecord(key_id="k", tenant="t")
+BATCH_KEY = KeyRecord(key_id="k", tenant="t", priority=Priority.BATCH)
+BATCH_KEY_WITH_HEADER = KeyRecord(
+    key_id="k", tenant="t", priority=Priority.BATCH, priority_header=True
+)
+
+
+@pytest.mark.parametrize(
+    ("record", "header", "expected"),
+    [
+        (INTERACTIVE_KEY, None, Priority.INTERACTIVE),
+        (BATCH_KEY, None, Priority.BATCH),
+        (INTERACTIVE_KEY, "batch", Priority.BATCH),  # any call may lower itself
+        (INTERACTIVE_KEY, "interactive", Priority.INTERACTIVE),
+        (BATCH_KEY, "batch", Priority.BATCH),
+        (BATCH_KEY_WITH_HEADER, "interactive", Priority.INTERACTIVE),
+        (BATCH_KEY_WITH_HEADER, " Interactive ", Priority.INTERACTIVE),
+        (INTERACTIVE_KEY, "BATCH", Priority.BATCH),
+        (None, None, Priority.INTERACTIVE),  # no keys: the router runs without auth
+        (None, "batch", Priority.BATCH),
+        (None, "interactive", Priority.INTERACTIVE),
+    ],
+)
+def test_a_calls_class_is_its_keys_or_the_headers(
+    record: KeyRecord | None, header: str | None, expected: Priority
+) -> None:
+    assert request_priority(record, header) is expected
+
+
+def test_a_batch_key_raises_its_class_only_when_allowed() -> None:
+    with pytest.raises(PermissionDenied) as refused:
+        request_priority(BATCH_KEY, "interactive")
+    status, body = refused.value.status, refused.value.body()["error"]
+    assert status == 403 and body["code"] == "permission_denied"
+    assert body["type"] == "invalid_request_error"
+    assert "X-Tollgate-Priority" in body["message"] and "batch" in body["message"]
+
+
+@pytest.mark.parametrize("header", ["", "urgent", "high", "interactive,batch", "0"])
+def test_a_class_that_does_not_exist_is_a_400_naming_the_header(header: str) -> None:
+    for record in (INTERACTIVE_KEY, BATCH_KEY_WITH_HEADER, None):
+        with pytest.raises(InvalidRequest) as refused:
+            request_priority(record, header)
+        body = refused.value.body()["error"]
+        assert refused.value.status == 400 and body["type"] == "invalid_request_error"
+        assert body["param"] == "X-Tollgate-Priority"
+        assert "'interactive' or 'batch'" in body["message"]
+
+
+def test_a_record_written_before_the_fair_share_settings_loads_with_their_defaults() -> None:
+    old = b'{"type": "tg.key.v1", "key_id": "k", "tenant": "t", "rpm": 5, "created_at": 1}'
+    record = KeyRecord.model_validate_json(old)
+    assert record.max_concurrent is None and record.weight == 1.0
+    assert record.priority is Priority.INTERACTIVE and record.priority_header is False
+    for bad in ({"weight": 0}, {"weight": 1001}, {"max_concurrent": 0}, {"priority": "low"}):
+        with pytest.raises(ValueError):
+            KeyRecord.model_validate({"key_id": "k", "tenant": "t", **bad})
+
+
+# -- calls in flight per key (max_concurrent) -----------------------------------
+
+
+@pytest.fixture
+async def js(nats_server: NatsServer) -> AsyncIterator[Any]:
+    nc = await nats_server.connect(name="test-concurrency")
+    yield nc.jetstream()
+    await bus.close(nc)
+
+
+@pytest.fixture
+async def limiters(js: Any) -> AsyncIterator[tuple[Limiter, Limiter]]:
+    """Two routers' limiters on the same buckets."""
+    topology = Topology(Subjects("conc"))
+    pair = (await Limiter.open(js, topology), await Limiter.open(js, topology))
+    yield pair
+    for limiter in pair:
+        await limiter.close()
+
+
+_keys = iter(range(1_000_000))
+
+
+def concurrent_key(limit: int, **limits: Any) -> KeyRecord:
+    key_id = f"conc{next(_keys)}-{time.time_ns()}"
+    return KeyRecord(key_id=key_id, tenant="t", max_concurrent=limit, **limits)
+
+
+async def in_flight(limiter: Limiter, record: KeyRecord) -> int | None:
+    """The key's in-flight counter as NATS holds it (None: no entry)."""
+    try:
+        entry = await limiter.rates.kv.get(f"conc.{record.key_id}")
+    except KeyNotFoundError:
+        return None
+    return int(entry.value or b"0")
+
+
+async def test_a_third_call_of_a_key_limited_to_two_is_refused_until_one_ends(
+    limiters: tuple[Limiter, Limiter],
+) -> None:
+    limiter, _ = limiters
+    record = concurrent_key(2)
+    results = await asyncio.gather(
+        *(limiter.reserve(record, 10) for _ in range(3)), return_exceptions=True
+    )
+    held = [r for r in results if isinstance(r, Reservation)]
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert len(held) == 2 and len(refused) == 1, results
+    error = refused[0]
+    assert isinstance(error, ConcurrencyLimited) and isinstance(error, RateLimited)
+    body = error.body()["error"]
+    assert error.status == 429 and body["code"] == "concurrency_limit_exceeded"
+    assert body["message"] == (
+        "Too many concurrent requests for this key: 2 at once. Please retry when one finishes."
+    )
+    assert "Retry-After" not in error.headers  # the serving layer adds it from its drain rate
+    assert await in_flight(limiter, record) == 2
+    await limiter.settle(held[0], 7)
+    assert await in_flight(limiter, record) == 1
+    again = await limiter.reserve(record, 10)
+    assert again.concurrency_key == f"conc.{record.key_id}"
+    with pytest.raises(ConcurrencyLimited):
+        await limiter.reserve(record, 10)
+    for reservation in (held[1], again):
+        await limiter.settle(reservation, 3)
+    assert await in_flight(limiter, record) == 0
+
+
+async def test_two_routers_share_one_keys_limit(limiters: tuple[Limiter, Limiter]) -> None:
+    record = concurrent_key(3)
+    results = await asyncio.gather(
+        *(limiters[i % 2].reserve(record, 1) for i in range(10)), return_exceptions=True
+    )
+    held = [(i, r) for i, r in enumerate(results) if isinstance(r, Reservation)]
+    assert len(held) == 3, results
+    assert all(isinstance(r, ConcurrencyLimited) for r in results if r not in dict(held).values())
+    # a call that ends on one router frees a place for the other
+    first, reservation = held[0]
+    await limiters[first % 2].settle(reservation, 1)
+    other = limiters[(first + 1) % 2]
+    reservation = await other.reserve(record, 1)
+    with pytest.raises(ConcurrencyLimited):
+        await limiters[first % 2].reserve(record, 1)
+    await other.settle(reservation, 1)
+    for i, r in held[1:]:
+        await limiters[i % 2].settle(r, 1)
+    assert await in_flight(other, record) == 0
+
+
+async def test_a_call_is_given_back_once_and_the_counter_never_goes_below_zero(
+    limiters: tuple[Limiter, Limiter],
+) -> None:
+    limiter, other = limiters
+    record = concurrent_key(5)
+    first, second = await limiter.reserve(record, 1), await limiter.reserve(record, 1)
+    rebuilt = Reservation(tokens=1, concurrency_key=first.concurrency_key)  # a lost call's copy
+    await limiter.settle(first, 1)
+    await limiter.settle(first, 1)  # settled twice: given back once
+    await limiter.release(first)
+    assert await in_flight(limiter, record) == 1
+    await limiter.settle(second, 1)
+    assert await in_flight(limiter, record) == 0
+    # more given back than taken (a counter that expired, or a lost call's copy):
+    # the counter stays at zero, on either router, and then counts from there
+    await other.settle(rebuilt, 1)
+    await limiter.release(Reservation(concurrency_key=f"conc.{record.key_id}"))
+    assert await in_flight(limiter, record) == 0
+    held = [await other.reserve(record, 1) for _ in range(5)]
+    with pytest.raises(ConcurrencyLimited):
+        await limiter.reserve(record, 1)
+    for reservation in held:
+        await other.settle(reservation, 1)
+    assert await in_flight(other, record) == 0
+
+
+async def test_a_refusal_gives_back_every_unit_already_taken(
+    limiters: tuple[Limiter, Limiter],
+) -> None:
+    limiter, _ = limiters
+    await clear_of_minute_edge()  # one minute's window throughout
+    minute = int(time.time() // 60)
+    # the budget refuses after the call, the request and the tokens were taken
+    record = concurrent_key(2, rpm=10, tpm=1000, budget_tokens=50, budget_period="total")
+    with pytest.raises(QuotaExceeded):
+        await limiter.reserve(record, 100)
+    assert await in_flight(limiter, record) == 0
+    counters = limiter.rates.kv
+    rpm = int((await counters.get(f"rpm.{record.key_id}.{minute}")).value)
+    tpm = int((await counters.get(f"tpm.{record.key_id}.{minute}")).value)
+    assert (rpm, tpm) == (0, 0)
+    # requests per minute refuse after the call was taken: the call is given back
+    record = concurrent_key(1, rpm=1)
+    held = await limiter.reserve(record, 1)
+    await limiter.settle(held, 1)
+    with pytest.raises(RateLimited) as refused:
+        await limiter.reserve(record, 1)
+    assert not isinstance(refused.value, ConcurrencyLimited)
+    assert await in_flight(limiter, record) == 0
+
+
+async def test_a_call_longer_than_the_buckets_memory_keeps_its_place(js: Any) -> None:
+    """The in-flight counter lives in a bucket that forgets an entry two minutes after
+    its last write; a router rewrites the counters it holds, so a long call keeps
+    its unit. Here the bucket forgets after 2 s: the held counter is still there
+    after 6 s, while the same counter in a router that does not renew it is gone."""
+    name = f"conc_short_{time.time_ns()}"
+    kv = await js.create_key_value(
+        KeyValueConfig(bucket=name, ttl=2.0, storage=StorageType.MEMORY, history=1)
+    )
+    budgets = CounterStore(kv)  # no budget on these keys: never written
+    renewing = Limiter(CounterStore(kv), budgets, refresh_s=0.25)
+    forgetful = Limiter(CounterStore(kv), budgets, refresh_s=3600)
+    kept, lost = concurrent_key(1), concurrent_key(1)
+    try:
+        long_call = await renewing.reserve(kept, 1)
+        unrenewed = await forgetful.reserve(lost, 1)
+        deadline = time.monotonic() + 30
+        while await in_flight(forgetful, lost) is not None:
+            assert time.monotonic() < deadline, "the bucket never forgot the entry"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(4)  # two more lifetimes of an unwritten entry
+        assert await in_flight(renewing, kept) == 1
+        with pytest.raises(ConcurrencyLimited):
+            await renewing.reserve(kept, 1)
+        await renewing.settle(long_call, 1)
+        assert await in_flight(renewing, kept) == 0
+        # the forgotten counter starts from zero; giving back its unit leaves it there
+        await forgetful.settle(unrenewed, 1)
+        assert await in_flight(forgetful, lost) in (None, 0)
+    finally:
+        await renewing.close()
+        await forgetful.close()
+        await js.delete_key_value(name)
