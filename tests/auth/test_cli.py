@@ -1,4 +1,4 @@
-"""`tollgate keys …` against a running stack."""
+"""`tollgate keys …` against a running stack, and against NATS alone."""
 
 from __future__ import annotations
 
@@ -7,12 +7,22 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import SIM_MODEL, SLOW_MODEL, Stack
-from tollgate.app.cli import parse_budget, parse_ttl
+from tests.conftest import SIM_MODEL, SLOW_MODEL, NatsServer, Stack
+from tollgate.app.cli import (
+    build_parser,
+    main,
+    parse_budget,
+    parse_concurrency,
+    parse_ttl,
+    parse_weight,
+)
+from tollgate.keys.tokens import SigningKeySet, auth_dir
+from tollgate.wire.topology import Role
 
 
 def test_ttl_and_budget_parsing() -> None:
@@ -84,3 +94,74 @@ def test_create_list_update_revoke(stack: Stack, router_url: str, api_key: str) 
     while httpx.post(url, json=body, headers=headers, timeout=10).status_code != 401:
         assert time.monotonic() < deadline
         time.sleep(0.02)
+
+
+def test_fair_share_flags_parse_and_refuse_what_no_key_can_hold() -> None:
+    assert parse_concurrency("8") == 8 and parse_concurrency("none") is None
+    assert parse_weight("0.5") == 0.5 and parse_weight("1000") == 1000
+    for bad in ("0", "-1", "1.5", "", "all"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_concurrency(bad)
+    for bad in ("0", "-2", "1000.5", "nan", "inf", "heavy"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_weight(bad)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["keys", "create", "--tenant", "t", "--priority", "urgent"])
+
+
+@pytest.fixture
+def cli_env(nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tollgate keys` run in this process, as the operator, against the test's NATS."""
+    for name in [n for n in os.environ if n.startswith("TOLLGATE_")]:
+        monkeypatch.delenv(name)
+    for name, value in nats_server.env(Role.ADMIN).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TOLLGATE_VAR_DIR", str(tmp_path))
+    SigningKeySet(auth_dir(tmp_path) / "signing-keys.json").generate("EdDSA")
+
+
+def run_keys(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[str, str]:
+    assert main(["keys", *args]) == 0, capsys.readouterr().err
+    out = capsys.readouterr()
+    return out.out, out.err
+
+
+def shown(capsys: pytest.CaptureFixture[str], key_id: str) -> dict[str, str]:
+    out, _ = run_keys(capsys, "show", key_id)
+    return dict(line.split(":", 1) for line in out.splitlines())
+
+
+@pytest.mark.usefixtures("cli_env")
+def test_fair_share_settings_are_set_shown_changed_and_lifted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    settings = ["--max-concurrent", "4", "--weight", "0.5", "--priority", "batch"]
+    out, err = run_keys(capsys, "create", "--tenant", "fair-co", "--name", "nightly", *settings)
+    key_id = err.split("key id: ")[1].split()[0]
+    assert out.startswith("tg-")
+    record = {k: v.strip() for k, v in shown(capsys, key_id).items()}
+    assert record["max concurrent"] == "4" and record["weight"] == "0.5"
+    assert record["priority"] == "batch" and record["priority header"] == "off"
+    assert record["tenant"] == "fair-co" and record["rpm"] == "none"
+    assert out.strip() not in "\n".join(record.values())  # no token is stored to show
+    listing, _ = run_keys(capsys, "list")
+    line = next(line for line in listing.splitlines() if line.startswith(key_id))
+    assert "concurrent 4  weight 0.5  batch  nightly" in line
+
+    run_keys(capsys, "update", key_id, "--priority-header", "on", "--weight", "20")
+    record = {k: v.strip() for k, v in shown(capsys, key_id).items()}
+    assert record["priority header"] == "on" and record["weight"] == "20"
+    assert record["max concurrent"] == "4"  # what the update did not name is kept
+    listing, _ = run_keys(capsys, "list")
+    assert "batch (header may raise)" in listing
+
+    run_keys(capsys, "update", key_id, "--max-concurrent", "none", "--priority", "interactive")
+    record = {k: v.strip() for k, v in shown(capsys, key_id).items()}
+    assert record["max concurrent"] == "none" and record["priority"] == "interactive"
+    assert record["weight"] == "20"
+
+
+@pytest.mark.usefixtures("cli_env")
+def test_show_of_a_key_that_does_not_exist_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["keys", "show", "no-such-key"]) == 1
+    assert "no key 'no-such-key'" in capsys.readouterr().err

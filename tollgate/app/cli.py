@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from datetime import date, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from nats.aio.client import Client as NATS
@@ -21,6 +21,9 @@ from tollgate.app import buscli
 from tollgate.models.catalog import load_catalog
 from tollgate.runtime.settings import CommonSettings, SettingError
 from tollgate.wire.topology import Role
+
+if TYPE_CHECKING:
+    from tollgate.keys.records import KeyRecord
 
 # How long a command waits for NATS before it gives up (a service waits for ever).
 CONNECT_TIMEOUT_S = 10.0
@@ -137,11 +140,40 @@ def parse_budget(text: str) -> tuple[int, str]:
     return int(amount), period
 
 
+def parse_concurrency(text: str) -> int | None:
+    """A number of calls at once (``8``), or ``none`` for no limit."""
+    if text == "none":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"max-concurrent must be a whole number from 1, or none: {text!r}"
+        )
+    return int(text)
+
+
+def parse_weight(text: str) -> float:
+    """A key's share within its tenant: above 0, at most 1000 (``0.5``, ``1``, ``20``)."""
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = float("nan")
+    if not 0 < weight <= 1000:  # nan and inf fail here too
+        raise argparse.ArgumentTypeError(
+            f"weight must be a number above 0 and at most 1000: {text!r}"
+        )
+    return weight
+
+
 def _limits(ns: argparse.Namespace) -> dict[str, Any]:
     limits: dict[str, Any] = {}
-    for name in ("rpm", "tpm", "name"):
+    for name in ("rpm", "tpm", "name", "weight", "priority"):
         if getattr(ns, name, None) is not None:
             limits[name] = getattr(ns, name)
+    # False: not given; None (`--max-concurrent none`): no limit
+    if getattr(ns, "max_concurrent", False) is not False:
+        limits["max_concurrent"] = ns.max_concurrent
+    if getattr(ns, "priority_header", None):
+        limits["priority_header"] = ns.priority_header == "on"
     if getattr(ns, "models", None):
         limits["models"] = [m.strip() for m in ns.models.split(",") if m.strip()]
     if getattr(ns, "budget_tokens", None):
@@ -181,16 +213,20 @@ async def _keys_async(ns: argparse.Namespace) -> int:
             return 0
         if ns.action == "list":
             for r in sorted(await store.all(), key=lambda r: r.created_at):
-                expiry = (
-                    "never"
-                    if r.expires_at is None
-                    else time.strftime("%Y-%m-%d %H:%M", time.gmtime(r.expires_at))
-                )
                 print(
-                    f"{r.key_id}  {r.tenant:<12} {r.state.value:<11} expires {expiry}  "
+                    f"{r.key_id}  {r.tenant:<12} {r.state.value:<11} expires {_expiry(r)}  "
                     f"models {','.join(r.models)}  rpm {r.rpm}  tpm {r.tpm}  "
-                    f"budget {r.budget_tokens}/{r.budget_period}  {r.name}"
+                    f"budget {r.budget_tokens}/{r.budget_period}  "
+                    f"concurrent {r.max_concurrent}  weight {r.weight:g}  "
+                    f"{_class(r)}  {r.name}"
                 )
+            return 0
+        if ns.action == "show":
+            found = await store.get(ns.key_id)
+            if found is None:
+                print(f"error: no key {ns.key_id!r}", file=sys.stderr)
+                return 1
+            print(_show(found))
             return 0
         if ns.action == "revoke":
             changed = await store.revoke(ns.key_id)
@@ -216,6 +252,50 @@ async def _keys_async(ns: argparse.Namespace) -> int:
 
 def _keys(ns: argparse.Namespace) -> int:
     return asyncio.run(_keys_async(ns))
+
+
+def _expiry(record: KeyRecord) -> str:
+    if record.expires_at is None:
+        return "never"
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(record.expires_at))
+
+
+def _class(record: KeyRecord) -> str:
+    """``interactive``, ``batch``, or ``batch (header may raise)``."""
+    if record.priority == "batch" and record.priority_header:
+        return "batch (header may raise)"
+    return str(record.priority)
+
+
+def _show(record: KeyRecord) -> str:
+    """One key's record, a setting a line (never a token: none is stored)."""
+
+    def when(t: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+    budget = (
+        "none" if record.budget_tokens is None else f"{record.budget_tokens}/{record.budget_period}"
+    )
+    lines = {
+        "key id": record.key_id,
+        "tenant": record.tenant,
+        "name": record.name,
+        "state": record.state.value,
+        "models": ",".join(record.models),
+        "expires": _expiry(record),
+        "rpm": "none" if record.rpm is None else str(record.rpm),
+        "tpm": "none" if record.tpm is None else str(record.tpm),
+        "budget": budget,
+        "max concurrent": "none" if record.max_concurrent is None else str(record.max_concurrent),
+        "weight": f"{record.weight:g}",
+        "priority": str(record.priority),
+        "priority header": "on" if record.priority_header else "off",
+        "capture": "on" if record.capture else "off",
+        "replay": "on" if record.replay else "off",
+        "created": when(record.created_at),
+        "updated": when(record.updated_at),
+    }
+    return "\n".join(f"{name + ':':<16} {value}" for name, value in lines.items())
 
 
 async def _query_async(ns: argparse.Namespace, sql: str, parameters: dict[str, Any]) -> int:
@@ -415,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("ids", nargs="*", help="catalog model ids (default: every model)")
     models.add_argument("--fix", action="store_true", help="verify: prepare corrupt entries again")
     models.set_defaults(func=_models)
-    keys = command(sub, "keys", "issue, list, change and revoke API keys (the whitelist)")
+    keys = command(sub, "keys", "issue, list, show, change and revoke API keys (the whitelist)")
     key_actions = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
     create = command(key_actions, "create", "issue a key; the key alone goes to stdout, shown once")
     create.add_argument("--tenant", required=True, help="who is billed for the key's calls")
@@ -425,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a replay identity for `tollgate replay`: its replayed calls are not captured again",
     )
-    update = command(key_actions, "update", "change a key's models, limits or expiry")
+    update = command(key_actions, "update", "change a key's models, limits, share or expiry")
     update.add_argument("key_id", help="the key's id (from `keys list`)")
     update.add_argument("--ttl", type=parse_ttl, default=False, help="30d, 12h, ... or never")
     for p in (create, update):
@@ -439,7 +519,33 @@ def build_parser() -> argparse.ArgumentParser:
             choices=["on", "off"],
             help="keep this key's requests and responses in ClickHouse (exchanges)",
         )
+        p.add_argument(
+            "--max-concurrent",
+            type=parse_concurrency,
+            default=False,
+            metavar="N",
+            help="calls in flight at once, across every router (one more is a 429); none: no limit",
+        )
+        p.add_argument(
+            "--weight",
+            type=parse_weight,
+            metavar="W",
+            help="the key's share of a saturated model within its tenant (1 unless set)",
+        )
+        p.add_argument(
+            "--priority",
+            choices=["interactive", "batch"],
+            help="the key's class: batch fills free capacity and yields to interactive",
+        )
+        p.add_argument(
+            "--priority-header",
+            choices=["on", "off"],
+            help="whether a batch key's calls may raise themselves to interactive "
+            "with X-Tollgate-Priority (any call may lower itself to batch)",
+        )
     command(key_actions, "list", "every key, without tokens")
+    show = command(key_actions, "show", "one key's record, a setting a line")
+    show.add_argument("key_id", help="the key's id (from `keys list`)")
     revoke = command(key_actions, "revoke", "revoke a key at once")
     revoke.add_argument("key_id", help="the key's id (from `keys list`)")
     keys.set_defaults(func=_keys)
