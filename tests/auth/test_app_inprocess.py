@@ -21,6 +21,7 @@ from tests.conftest import NatsServer
 from tests.lib.streams import read_subject
 from tollgate.keys.records import AuditEvent, KeyState
 from tollgate.keys.store import KeyStore
+from tollgate.wire.contracts import Priority
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Role, Topology
 
@@ -138,3 +139,75 @@ async def test_a_patch_on_a_revoked_key_is_a_409(
 async def test_an_unknown_key_is_a_404(client: TestClient) -> None:  # type: ignore[type-arg]
     r = await client.get("/admin/keys/nope", headers=ADMIN)
     assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+
+
+async def test_fair_share_settings_are_set_changed_and_kept_as_sent(
+    client: TestClient,  # type: ignore[type-arg]
+    store: KeyStore,
+) -> None:
+    r = await client.post("/admin/keys", json={"tenant": "acme"}, headers=ADMIN)
+    record = (await r.json())["record"]
+    defaults = {k: record[k] for k in ("max_concurrent", "weight", "priority", "priority_header")}
+    assert defaults == {
+        "max_concurrent": None,
+        "weight": 1.0,
+        "priority": "interactive",
+        "priority_header": False,
+    }
+    body = {"tenant": "acme", "max_concurrent": 4, "weight": 0.5, "priority": "batch"}
+    r = await client.post("/admin/keys", json=body, headers=ADMIN)
+    assert r.status == 201, await r.text()
+    key_id = (await r.json())["record"]["key_id"]
+    stored = await store.get(key_id)
+    assert stored is not None and stored.limited
+    assert (stored.max_concurrent, stored.weight, stored.priority) == (4, 0.5, Priority.BATCH)
+
+    change = {"priority_header": True, "weight": 20}
+    r = await client.patch(f"/admin/keys/{key_id}", json=change, headers=ADMIN)
+    assert r.status == 200, await r.text()
+    answer = await r.json()
+    assert answer["priority_header"] is True and answer["weight"] == 20
+    assert answer["max_concurrent"] == 4 and answer["priority"] == "batch"  # kept
+    # null lifts the concurrency limit, and what else the key had stays
+    r = await client.patch(f"/admin/keys/{key_id}", json={"max_concurrent": None}, headers=ADMIN)
+    stored = await store.get(key_id)
+    assert r.status == 200 and stored is not None
+    assert stored.max_concurrent is None and not stored.limited and stored.weight == 20
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_concurrent", 0),
+        ("max_concurrent", 2**53),
+        ("max_concurrent", "4"),
+        ("max_concurrent", True),
+        ("weight", 0),
+        ("weight", -1),
+        ("weight", 1000.5),
+        ("weight", "2"),
+        ("weight", None),  # a share is not a limit: no null
+        ("priority", "urgent"),
+        ("priority", None),
+        ("priority_header", 1),
+        ("priority_header", "true"),
+        ("priority_header", None),
+    ],
+)
+async def test_a_fair_share_setting_no_key_can_hold_is_a_400_naming_it(
+    client: TestClient,  # type: ignore[type-arg]
+    store: KeyStore,
+    field: str,
+    value: object,
+) -> None:
+    r = await client.post("/admin/keys", json={"tenant": "acme"}, headers=ADMIN)
+    key_id = (await r.json())["record"]["key_id"]
+    before = await store.get(key_id)
+    r = await client.patch(f"/admin/keys/{key_id}", json={field: value}, headers=ADMIN)
+    assert r.status == 400, await r.text()
+    error = (await r.json())["error"]
+    assert error["code"] == "invalid_request" and field in error["message"]
+    assert await store.get(key_id) == before  # nothing written
+    if value is not None:  # a new key cannot have it either
+        r = await client.post("/admin/keys", json={"tenant": "acme", field: value}, headers=ADMIN)
+        assert r.status == 400 and field in (await r.json())["error"]["message"]
