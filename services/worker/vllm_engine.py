@@ -54,8 +54,21 @@ def _vllm_gauge(name: str, model: str) -> float | None:
     return None
 
 
+# A request's class reaches vLLM as its own ``priority`` field (ENGINE_PRIORITY):
+# only vLLM's priority policy orders waiting requests by it (fcfs ignores it).
+SCHEDULING_POLICY = "priority"
+
+
+class EngineArgsError(ValueError):
+    """A catalog's engine_args that the worker cannot run with."""
+
+
 def build_engine_argv(entry: ModelEntry, model_path: Path) -> list[str]:
-    """Command-line arguments for vLLM's own parser, as ``vllm serve`` takes them."""
+    """Command-line arguments for vLLM's own parser, as ``vllm serve`` takes them.
+
+    The catalog's own arguments come last; :func:`parse_engine_args` refuses
+    those that undo what the worker needs (the priority policy).
+    """
     return [
         "--model",
         str(model_path),
@@ -65,8 +78,37 @@ def build_engine_argv(entry: ModelEntry, model_path: Path) -> list[str]:
         str(entry.max_model_len),
         "--tensor-parallel-size",
         str(entry.tensor_parallel_size),
+        "--scheduling-policy",
+        SCHEDULING_POLICY,
         *entry.engine_args,
     ]
+
+
+def parse_engine_args(entry: ModelEntry, model_path: Path) -> Any:
+    """vLLM's parsed serve arguments for ``entry``, checked as vllm serve checks them.
+
+    The policy is read from what vLLM's parser made of the whole command line
+    (any spelling, ``=``, an abbreviation), so a catalog cannot turn the
+    priority policy off unnoticed: request classes would silently become
+    first come, first served.
+    """
+    from vllm.entrypoints.launchers.cli_args import (
+        make_arg_parser,
+        validate_parsed_serve_args,
+    )
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())  # type: ignore[no-untyped-call]
+    args = parser.parse_args(build_engine_argv(entry, model_path))
+    if args.scheduling_policy != SCHEDULING_POLICY:
+        raise EngineArgsError(
+            f"{entry.id}: engine_args set the scheduling policy to "
+            f"{args.scheduling_policy!r}; Tollgate workers run vLLM with "
+            f"--scheduling-policy {SCHEDULING_POLICY} (interactive requests before batch "
+            "ones): remove it from the catalog's engine_args"
+        )
+    validate_parsed_serve_args(args)
+    return args
 
 
 def engine_body(body: dict[str, Any], request_id: str) -> dict[str, Any]:
@@ -121,6 +163,7 @@ class VllmEngine:
         self.entry = entry
         self.model_path = model_path
         self.slots_total = 0
+        self.scheduling_policy = ""  # the running engine's, once started
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
         self._handlers: dict[Endpoint, tuple[Any, Any]] = {}
@@ -130,19 +173,12 @@ class VllmEngine:
         from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.launchers.cli_args import (
-            make_arg_parser,
-            validate_parsed_serve_args,
-        )
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.usage.usage_lib import UsageContext
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        parser = make_arg_parser(FlexibleArgumentParser())  # type: ignore[no-untyped-call]
-        args = parser.parse_args(build_engine_argv(self.entry, self.model_path))
-        validate_parsed_serve_args(args)
+        args = parse_engine_args(self.entry, self.model_path)
         self._args = args
         engine_args = AsyncEngineArgs.from_cli_args(args)
         guard_engine_processes()  # the engine core dies with this process
@@ -165,7 +201,17 @@ class VllmEngine:
             self._stack.callback(client.shutdown, timeout=vllm_config.shutdown_timeout)
         await client.reset_mm_cache()  # no dummy multimodal data kept in memory
         self._client = client
-        self.slots_total = int(client.vllm_config.scheduler_config.max_num_seqs)
+        scheduler = client.vllm_config.scheduler_config
+        self.slots_total = int(scheduler.max_num_seqs)
+        self.scheduling_policy = str(scheduler.policy)
+        log.info(
+            "engine started",
+            extra={
+                "model": self.entry.id,
+                "scheduling_policy": self.scheduling_policy,
+                "max_num_seqs": self.slots_total,
+            },
+        )
         state = State()
         tasks = await client.get_supported_tasks()
         await init_app_state(cast(Any, TallyingEngineClient(client)), state, args, tasks)
