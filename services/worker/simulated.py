@@ -26,6 +26,9 @@ that takes each message's content as one string.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
+import itertools
 import json
 import math
 import re
@@ -695,10 +698,63 @@ class _Plan:
     # vLLM's engine refuses it as it starts (after a stream's 200)
     refused: RefusedAtStart | None = None
     finish: list[str] = field(default_factory=list)
+    priority: int = 0  # vLLM's request priority: lower runs first
 
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p.ids) for p in self.prompts)
+
+
+class _Slots:
+    """The engine's slots (``max_num_seqs``) and the requests waiting for one.
+
+    As vLLM's scheduler under ``--scheduling-policy priority``: a freed slot
+    goes to the waiting request with the lowest ``priority`` value, the
+    earliest arrival among equals; a running request keeps its slot (vLLM
+    preempts one only when its KV cache runs out, which this double does not
+    model).
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.running = 0
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, priority: int) -> AsyncIterator[None]:
+        """Hold one slot for the body of the block, after waiting for it if all are taken."""
+        if self.running < self.total and not self._waiting:
+            self.running += 1
+        else:
+            entry = (priority, next(self._arrivals), asyncio.get_running_loop().create_future())
+            heapq.heappush(self._waiting, entry)
+            try:
+                await entry[2]
+            except asyncio.CancelledError:
+                if entry[2].done() and not entry[2].cancelled():
+                    self._release()  # handed a slot as it was cancelled: pass it on
+                elif entry in self._waiting:
+                    self._waiting.remove(entry)
+                    heapq.heapify(self._waiting)
+                raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """A slot is free: hand it to the first waiting request, else it stays free."""
+        while self._waiting:
+            _, _, admitted = heapq.heappop(self._waiting)
+            if not admitted.done():  # not one cancelled a moment ago
+                admitted.set_result(None)  # the slot passes on: ``running`` stays
+                return
+        self.running -= 1
 
 
 class SimulatedEngine:
@@ -710,7 +766,7 @@ class SimulatedEngine:
         self.config: SimulatedEngineConfig = entry.simulated
         self.model_path = model_path
         self.slots_total = self.config.max_num_seqs
-        self.running = 0
+        self._slots = _Slots(self.slots_total)
         self._tokenizer: Any = None
         self._pieces: list[str] = []
         self._vocab_size = 0
@@ -731,8 +787,13 @@ class SimulatedEngine:
     async def stop(self) -> None:
         return None
 
+    @property
+    def running(self) -> int:
+        """Requests generating now (at most ``max_num_seqs``)."""
+        return self._slots.running
+
     def stats(self) -> EngineStats:
-        return EngineStats(running=self.running)
+        return EngineStats(running=self._slots.running, waiting=self._slots.waiting)
 
     @property
     def _context(self) -> int:
@@ -934,6 +995,7 @@ class SimulatedEngine:
             n=1 if request.n is None else request.n,
             prompts=[_Prompt(ids, max_tokens, echo)],
             refused=self._at_start(request, bias, logprobs, prompt_logprobs, [ids]),
+            priority=request.priority,
         )
 
     def _completion_plan(self, body: dict[str, Any]) -> _Plan:
@@ -982,6 +1044,7 @@ class SimulatedEngine:
             n=request.n,
             prompts=planned,
             refused=self._at_start(request, bias, logprobs, prompt_logprobs, rendered),
+            priority=request.priority,
         )
 
     # -- serving ------------------------------------------------------------------------
@@ -1027,7 +1090,7 @@ class SimulatedEngine:
             stream.events = self._stream(stream, meta, plan, counts, usage)
             return stream
         texts = [plan.prompts[i // plan.n].echo for i in range(len(counts))]
-        async for index, piece in self._tokens(counts):
+        async for index, piece in self._tokens(counts, plan.priority):
             texts[index] += piece
         choices = [
             {
@@ -1057,11 +1120,13 @@ class SimulatedEngine:
         yield StreamEvent(f"data: {refused.body()}\n\n")
         yield StreamEvent("data: [DONE]\n\n")
 
-    async def _tokens(self, counts: list[int]) -> AsyncIterator[tuple[int, str]]:
-        """Yield (choice index, text) pairs at the configured pace, one step for all choices."""
+    async def _tokens(self, counts: list[int], priority: int) -> AsyncIterator[tuple[int, str]]:
+        """Yield (choice index, text) pairs at the configured pace, one step for all choices.
+
+        Generation starts once the request has a slot (see :class:`_Slots`).
+        """
         tally = current_tally.get()
-        self.running += 1
-        try:
+        async with self._slots.hold(priority):
             await asyncio.sleep(self.config.ttft_ms / 1000)
             gap = 1.0 / self.config.tokens_per_s
             for step in range(max(counts, default=0)):
@@ -1073,8 +1138,6 @@ class SimulatedEngine:
                         if tally is not None:
                             tally.completion_tokens += 1
                         yield index, piece
-        finally:
-            self.running -= 1
 
     async def _stream(
         self,
@@ -1088,12 +1151,20 @@ class SimulatedEngine:
             return StreamEvent(f"data: {orjson.dumps(payload).decode()}\n\n")
 
         chat = plan.chat
-        if chat:
-            for index in range(len(counts)):
-                first = {"index": index, "delta": {"role": "assistant", "content": ""}}
-                yield event({**meta, "choices": [{**first, "finish_reason": None}]})
+        # vLLM sends a chat's role chunks with its first output: a queued request
+        # sends nothing until it has a slot
+        roles = [
+            event({**meta, "choices": [{**first, "finish_reason": None}]})
+            for first in (
+                {"index": index, "delta": {"role": "assistant", "content": ""}}
+                for index in range(len(counts) if chat else 0)
+            )
+        ]
         echoed = [False] * len(counts)
-        async for index, piece in self._tokens(counts):
+        async for index, piece in self._tokens(counts, plan.priority):
+            for role in roles:
+                yield role
+            roles = []
             if not echoed[index]:
                 piece = plan.prompts[index // plan.n].echo + piece
                 echoed[index] = True
@@ -1102,6 +1173,8 @@ class SimulatedEngine:
             else:
                 choice = {"index": index, "text": piece, "finish_reason": None}
             yield event({**meta, "choices": [choice]})
+        for role in roles:  # nothing was generated (not reached: every choice has a token)
+            yield role
         for index in range(len(counts)):
             last: dict[str, Any] = {"index": index, "finish_reason": plan.finish[index]}
             if chat:
