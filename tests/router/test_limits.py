@@ -15,7 +15,7 @@ from nats.js.errors import KeyNotFoundError
 from services.router.auth import request_priority
 from services.router.errors import InvalidRequest, PermissionDenied, QuotaExceeded, RateLimited
 from services.router.limits import ConcurrencyLimited, CounterStore, Limiter, Reservation
-from tests.conftest import SIM_MODEL, NatsServer, Stack
+from tests.conftest import SIM_MODEL, SLOW_MODEL, NatsServer, Stack
 from tests.router.test_auth import make_key, wait_status
 from tollgate.keys.records import KeyRecord
 from tollgate.wire import bus
@@ -167,6 +167,37 @@ async def test_a_rate_bucket_lost_with_a_nats_restart_is_made_again(
         finally:
             await nc.close()
     assert answers[-1].headers["x-ratelimit-remaining-requests"] == str(1000 - 3)
+
+
+@through_routers
+async def test_a_key_limited_to_one_call_at_once_is_refused_a_second_on_any_router(
+    router_url: str, stack: Stack
+) -> None:
+    _, second = stack.router()
+    token, _ = await make_key(stack, max_concurrent=1)
+    for url in (router_url, second):
+        await wait_status(url, token, 200)
+    headers = {"Authorization": f"Bearer {token}"}
+    quick = {"model": SIM_MODEL, "messages": MESSAGES, "max_tokens": 1}
+    # 100 s of output at the slow model's 10 tokens per second: in flight until dropped
+    slow = {"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": 1000, "stream": True}
+    async with httpx.AsyncClient(timeout=30, headers=headers) as http:
+        async with http.stream("POST", f"{router_url}{CHAT}", json=slow) as stream:
+            assert stream.status_code == 200
+            async for line in stream.aiter_lines():
+                if line.startswith("data: "):
+                    break  # the call runs
+            for url in (router_url, second):
+                refused = await http.post(f"{url}{CHAT}", json=quick)
+                assert refused.status_code == 429, refused.text
+                error = refused.json()["error"]
+                assert error["code"] == "concurrency_limit_exceeded"
+                assert error["message"].startswith("Too many concurrent requests for this key: 1")
+        # the client hung up: the call ends, its place is given back
+        deadline = time.monotonic() + 30
+        while (r := await http.post(f"{second}{CHAT}", json=quick)).status_code != 200:
+            assert r.status_code == 429 and time.monotonic() < deadline, r.text
+            await asyncio.sleep(0.05)
 
 
 # -- a key's class: X-Tollgate-Priority ----------------------------------------
