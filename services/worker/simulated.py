@@ -783,6 +783,7 @@ class SimulatedEngine:
         config = self.model_path / "config.json"
         vocab = orjson.loads(config.read_bytes()).get("vocab_size") if config.exists() else None
         self._vocab_size = int(vocab) if isinstance(vocab, int) else len(self._tokenizer)
+        await asyncio.sleep(self.config.startup_s)  # a slow engine load, when configured
 
     async def stop(self) -> None:
         return None
@@ -1153,12 +1154,10 @@ class SimulatedEngine:
         chat = plan.chat
         # vLLM sends a chat's role chunks with its first output: a queued request
         # sends nothing until it has a slot
+        role_delta = {"role": "assistant", "content": ""}
         roles = [
-            event({**meta, "choices": [{**first, "finish_reason": None}]})
-            for first in (
-                {"index": index, "delta": {"role": "assistant", "content": ""}}
-                for index in range(len(counts) if chat else 0)
-            )
+            event({**meta, "choices": [{"index": i, "delta": role_delta, "finish_reason": None}]})
+            for i in range(len(counts) if chat else 0)
         ]
         echoed = [False] * len(counts)
         async for index, piece in self._tokens(counts, plan.priority):
