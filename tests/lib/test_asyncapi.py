@@ -71,7 +71,12 @@ def test_every_stream_bucket_and_subject_is_a_channel_with_its_contract() -> Non
         address = subject.pattern.replace("<", "{").replace(">", "}")
         assert address in addresses, address
     # The hot path is in it, not only the control plane.
-    for address in ("acme.infer.{model}", "acme.reply.{router}.{request}", "acme.cancel.{request}"):
+    hot_path = (
+        "acme.infer.{model}.{class}.{tenant}.{key}",
+        "acme.reply.{router}.{request}",
+        "acme.cancel.{request}",
+    )
+    for address in hot_path:
         assert address in addresses
 
 
@@ -92,7 +97,8 @@ def test_a_durable_consumer_is_on_its_readers_operation() -> None:
     assert op["x-tollgate-consumer"]["durable"] == "auth-budget"
     assert op["x-tollgate-consumer"]["filter_subject"] == "tg.usage.{tenant}"
     worker = doc["operations"]["worker.receives.infer"]
-    assert worker["x-tollgate-consumer"]["durable"] == "workers_{model}"
+    assert "x-tollgate-consumer" not in worker  # workers claim: read, then delete
+    assert "delete" in worker["x-tollgate-claim"]
     query = doc["operations"]["metering.receives.metering.query"]
     assert query["bindings"] == {"nats": {"queue": "metering"}}
     assert query["reply"]["channel"]["$ref"] == "#/channels/metering.query.reply"

@@ -17,6 +17,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+from services.worker.claims import WorkClaims
 from tests.conftest import NatsServer
 from tests.lib.net import free_port
 from tollgate.app.busauth import Identities, server_config
@@ -223,17 +224,23 @@ async def test_worker_serves_work_but_never_bills_or_reads_keys(
     assert (await admin.jetstream().stream_info(S.usage_stream)).state.messages == 0
 
 
-async def test_worker_pulls_from_the_work_queue(server: NatsServer, admin: NATS) -> None:
+async def test_worker_claims_from_the_work_queue(server: NatsServer, admin: NATS) -> None:
+    lane = S.infer_lane("m", "interactive", "acme", "k1")
     async with Probe(server, Role.ROUTER) as router:
-        await T.ensure_workers(router.js, ["m"])  # the router makes the model's consumer
-        ack = await router.js.publish(S.infer("m"), b'{"request": 1}')
+        await T.ensure_work(router.js)  # the router makes the work queue
+        ack = await router.js.publish(lane, b'{"request": 1}')
         assert ack.stream == S.infer_stream
+        withdrawn = await router.js.publish(lane, b'{"request": 2}')
+        # a router may withdraw a request (its client left), but never read one
+        assert await router.js.delete_msg(S.infer_stream, withdrawn.seq)
+        assert await router.publish_refused(f"$JS.API.DIRECT.GET.{S.infer_stream}")
     async with Probe(server, Role.WORKER) as worker:
-        consumer = T.workers("m")
-        sub = await worker.js.pull_subscribe_bind(consumer.durable, stream=consumer.stream)
-        [msg] = await sub.fetch(1, timeout=5)
-        assert msg.data == b'{"request": 1}'
-        await msg.ack_sync()
+        claims = WorkClaims(worker.nc, S, "m")
+        claimed = await claims.take()
+        assert claimed is not None and claimed.data == b'{"request": 1}'
+        assert claimed.subject == lane
+        assert await claims.take() is None  # claimed by the delete: gone from the queue
+    assert (await admin.jetstream().stream_info(S.infer_stream)).state.messages == 0
 
 
 async def test_worker_creates_nothing_on_the_bus(server: NatsServer, admin: NATS) -> None:
@@ -241,7 +248,7 @@ async def test_worker_creates_nothing_on_the_bus(server: NatsServer, admin: NATS
     async with Probe(server, Role.WORKER) as worker:
         for subject in (
             f"$JS.API.CONSUMER.CREATE.{S.infer_stream}",
-            f"$JS.API.CONSUMER.CREATE.{S.infer_stream}.spy.{S.infer('m')}",
+            f"$JS.API.CONSUMER.CREATE.{S.infer_stream}.spy.{S.infer_lanes('m')}",
             f"$JS.API.CONSUMER.DURABLE.CREATE.{S.infer_stream}.spy",
             f"$JS.API.STREAM.CREATE.{S.infer_stream}",
             f"$JS.API.STREAM.UPDATE.{S.infer_stream}",
@@ -256,13 +263,14 @@ async def test_scaler_counts_queued_requests_but_reads_none(
     server: NatsServer, admin: NATS
 ) -> None:
     async with Probe(server, Role.SCALER) as scaler:
-        info = await scaler.js.stream_info(S.infer_stream, subjects_filter=S.infer("m"))
+        info = await scaler.js.stream_info(S.infer_stream, subjects_filter=S.infer_lanes("m"))
         assert info.config.name == S.infer_stream
         assert await scaler.subscribe_refused(S.infer_all)
         assert await scaler.subscribe_refused(f"{S.prefix}.infer.>")
         assert await scaler.publish_refused(f"$JS.API.CONSUMER.CREATE.{S.infer_stream}")
         assert await scaler.publish_refused(f"$JS.API.DIRECT.GET.{S.infer_stream}")
         assert await scaler.publish_refused(f"$JS.API.STREAM.MSG.GET.{S.infer_stream}")
+        assert await scaler.publish_refused(f"$JS.API.STREAM.MSG.DELETE.{S.infer_stream}")
         assert await scaler.subscribe_refused(S.capture_all)
         await scaler.nc.subscribe(S.arrivals_all)  # allowed: arrivals and heartbeats
         await scaler.nc.subscribe(S.heartbeat_all)
@@ -286,7 +294,10 @@ async def test_metering_answers_queries_but_cannot_publish_work(
         # that names a key record as its reply subject writes nothing
         await scaler.nc.publish(S.metering_query, b"{}", reply=f"$KV.{S.keys_bucket}.forged")
         assert await metering.refused(f"$KV.{S.keys_bucket}.forged")
-        assert await metering.publish_refused(S.infer("m"), b'{"request": 2}')
+        assert await metering.publish_refused(
+            S.infer_lane("m", "interactive", "acme", "k1"), b'{"request": 2}'
+        )
+        assert await metering.publish_refused(f"$JS.API.STREAM.MSG.DELETE.{S.infer_stream}")
     kv = await admin.jetstream().key_value(S.keys_bucket)
     assert "forged" not in await kv.keys()
 
@@ -328,7 +339,7 @@ async def test_a_role_reads_only_its_own_inbox(server: NatsServer, admin: NATS) 
 async def test_one_prefix_cannot_touch_another(server: NatsServer, admin: NATS) -> None:
     server.add_prefix("other")
     async with Probe(server, Role.ROUTER, prefix="other") as other:
-        assert await other.publish_refused(S.infer("m"))
+        assert await other.publish_refused(S.infer_lane("m", "interactive", "acme", "k1"))
         assert await other.publish_refused(S.usage("acme"), usage_event())
         assert await other.subscribe_refused(S.heartbeat_all)
 

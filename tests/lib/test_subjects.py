@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from tollgate.wire.subjects import Subjects, model_id_from_token, model_token
+from tollgate.wire.subjects import Lane, Subjects, model_id_from_token, model_token
 
 VALID_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -45,10 +45,20 @@ def test_empty_id_is_refused() -> None:
 
 def test_subject_names_use_the_prefix_and_the_token() -> None:
     s = Subjects("acme")
-    assert s.infer("org/m.1") == "acme.infer.org_2Fm_2E1"
+    lane = s.infer_lane("org/m.1", "batch", "t.1", "k1")
+    assert lane == "acme.infer.org_2Fm_2E1.batch.t_2E1.k1"
+    assert (
+        s.infer_lane("m", "interactive", "anonymous", None)
+        == "acme.infer.m.interactive.anonymous.-"
+    )
+    assert s.infer_lanes("org/m.1") == "acme.infer.org_2Fm_2E1.>"
     assert s.infer_stream == "ACME_INFER"
     assert s.heartbeat("org/m.1") == "acme.workers.org_2Fm_2E1"
     assert s.cancel("abc") == "acme.cancel.abc"
     assert s.reply("r1", "abc") == "acme.reply.r1.abc"
     # every subject for a model has exactly one token for the model
-    assert len(s.infer("a.b/c d").split(".")) == 3
+    assert len(s.infer_lane("a.b/c d", "batch", "a.b c", "k.1 2").split(".")) == 6
+    parsed = Lane.parse(lane)
+    assert parsed is not None
+    assert (parsed.priority, parsed.tenant, parsed.key) == ("batch", "t_2E1", "k1")
+    assert Lane.parse("acme.workers.m") is None

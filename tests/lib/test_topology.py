@@ -34,7 +34,7 @@ def test_every_name_carries_the_prefix() -> None:
         assert all(s.startswith("acme.") for s in stream.subjects)
     for bucket in topology.buckets:
         assert bucket.name.startswith("acme_")
-    for consumer in (*topology.consumers, topology.workers("m")):
+    for consumer in topology.consumers:
         assert consumer.filter_subject.startswith("acme.")
     for subject in topology.core:
         assert subject.pattern.startswith("acme.")
@@ -47,8 +47,11 @@ def test_every_entry_has_a_writer_and_a_reader() -> None:
     for subject in topology.core:
         assert subject.publishers and subject.subscribers, subject.pattern
     streams = {s.name: s for s in topology.streams}
-    for consumer in (*topology.consumers, topology.workers("m")):
+    for consumer in topology.consumers:
         assert consumer.reader in streams[consumer.stream].readers, consumer.durable
+    for stream in topology.streams:  # who claims or withdraws messages reads or writes them
+        assert stream.claimers <= stream.readers, stream.name
+        assert stream.withdrawers <= stream.writers, stream.name
 
 
 async def test_ensure_is_idempotent_and_per_role(nats_server: NatsServer) -> None:

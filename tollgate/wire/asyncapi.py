@@ -137,6 +137,7 @@ class _Document:
         reply: str | None = None,
         queue: str | None = None,
         consumer: ConsumerSpec | None = None,
+        claim: str | None = None,
     ) -> None:
         verb = "sends" if action == "send" else "receives"
         op: dict[str, Any] = {
@@ -154,6 +155,8 @@ class _Document:
                 "ack": "explicit",
                 "what": consumer.what,
             }
+        if claim is not None:
+            op["x-tollgate-claim"] = claim
         if reply is not None:
             op["reply"] = {
                 "address": {
@@ -169,10 +172,11 @@ class _Document:
     def stream(self, spec: StreamSpec, consumers: list[ConsumerSpec]) -> None:
         subject = spec.subjects[0]
         cid = self.channel_id(subject)
+        address = _lanes(spec.pattern) if spec.pattern else _address(subject, cid)
         kind = "work-queue stream" if spec.retention is RetentionPolicy.WORK_QUEUE else "stream"
         self.channel(
             cid,
-            _address(subject, cid),
+            address,
             spec.what,
             spec.contract,
             kind=kind,
@@ -186,7 +190,13 @@ class _Document:
             self.operation(role, "send", cid)
         for role in sorted(spec.readers):
             mine = [c for c in consumers if c.stream == spec.name and c.reader is role]
-            self.operation(role, "receive", cid, consumer=mine[0] if mine else None)
+            claim = None
+            if role in spec.claimers:
+                claim = (
+                    "no consumer: a lane's oldest message is read (direct get) and deleted; "
+                    "whoever deletes it has it"
+                )
+            self.operation(role, "receive", cid, consumer=mine[0] if mine else None, claim=claim)
 
     def bucket(self, spec: BucketSpec) -> None:
         name = spec.name.removeprefix(f"{self.prefix}_")
@@ -228,13 +238,13 @@ class _Document:
         literal = [
             t
             for t in subject.split(".")[1:]
-            if t not in ("*", _MODEL_TOKEN) and not _PLACEHOLDER.fullmatch(t)
+            if t not in ("*", ">", _MODEL_TOKEN) and not _PLACEHOLDER.fullmatch(t)
         ]
         return ".".join(literal)
 
     def build(self) -> dict[str, Any]:
         t = self.topology
-        consumers = [t.workers(_MODEL), *t.consumers]
+        consumers = list(t.consumers)
         for spec in t.streams:
             self.stream(spec, consumers)
         for bucket in t.buckets:
@@ -273,6 +283,11 @@ class _Document:
         text = json.dumps(document).replace(_MODEL_TOKEN, "{model}")
         loaded: dict[str, Any] = json.loads(text)
         return loaded
+
+
+def _lanes(pattern: str) -> str:
+    """A documented pattern with its parts named: ``tg.infer.<model>`` is ``tg.infer.{model}``."""
+    return pattern.replace("<", "{").replace(">", "}")
 
 
 def _address(subject: str, cid: str) -> str:

@@ -16,8 +16,10 @@ The rules, per entry of the topology:
   by consumer name; each consumer's creator (its reader unless named) creates
   it. Creating a consumer means choosing its configuration, a push
   consumer's deliver subject included (the server then publishes the
-  stream's messages there), so workers, which run model code, create none:
-  routers create the work queue's consumers and workers bind to them;
+  stream's messages there), so workers, which run model code, create none;
+- a stream's **claimers** (the work queue's workers) read its messages one
+  at a time (direct get) and delete the one they take; its **withdrawers**
+  (the routers) may delete a message, a request whose client left;
 - a stream's **listeners** subscribe to its subjects as they are published,
   and its **observers** read its info (message counts per subject) only;
 - a key-value bucket's readers get, watch and list it; its writers also put;
@@ -96,6 +98,10 @@ class _Rules:
             self.pub(f"{API}.STREAM.UPDATE.{spec.name}", *spec.subjects)
         if role in spec.listeners:
             self.sub(*spec.subjects)
+        if role in spec.claimers:
+            self.pub(f"{API}.DIRECT.GET.{spec.name}")
+        if role in spec.claimers | spec.withdrawers:
+            self.pub(f"{API}.STREAM.MSG.DELETE.{spec.name}")
 
     def consumer(self, spec: ConsumerSpec, durable: str, role: Role) -> None:
         stream = spec.stream
@@ -144,8 +150,6 @@ def grant(topology: Topology, role: Role) -> Grant:
         rules.stream(stream, role)
     for consumer in topology.consumers:
         rules.consumer(consumer, consumer.durable, role)
-    # one durable consumer per model on the shared work queue
-    rules.consumer(topology.workers("<model>"), "*", role)
     for bucket in topology.buckets:
         rules.bucket(bucket, role)
     for subject in topology.core:

@@ -44,6 +44,24 @@ def model_token(model_id: str) -> str:
     return "".join(out)
 
 
+@dataclass(frozen=True)
+class Lane:
+    """The parts of a lane subject (:meth:`Subjects.infer_lane`), tokens as they are."""
+
+    subject: str
+    priority: str
+    tenant: str
+    key: str
+
+    @classmethod
+    def parse(cls, subject: str) -> Lane | None:
+        """The lane of a work-queue subject; None for anything else."""
+        parts = subject.split(".")
+        if len(parts) != 6 or parts[1] != "infer":
+            return None
+        return cls(subject, parts[3], parts[4], parts[5])
+
+
 def model_id_from_token(token: str) -> str:
     """Invert :func:`model_token`."""
     raw = bytearray()
@@ -85,22 +103,30 @@ class Subjects:
         """A key-value bucket's name under this prefix (``tg_keys``)."""
         return f"{self.prefix}_{name}"
 
-    def infer(self, model_id: str) -> str:
-        """Work-queue subject where inference requests for a model wait."""
-        return f"{self.prefix}.infer.{model_token(model_id)}"
+    def infer_lane(self, model_id: str, priority: str, tenant: str, key_id: str | None) -> str:
+        """The work-queue subject of one lane: a model's requests of one class, tenant and key.
+
+        ``tg.infer.<model>.<class>.<tenant>.<key>``: the workers of a model take
+        from its lanes by weight (:mod:`services.worker.fairshare`), so that one
+        tenant's backlog does not hold up another's requests.
+        """
+        return (
+            f"{self.prefix}.infer.{model_token(model_id)}.{priority}."
+            f"{model_token(tenant)}.{model_token(key_id) if key_id else '-'}"
+        )
+
+    def infer_lanes(self, model_id: str) -> str:
+        """Every lane of one model (a wildcard)."""
+        return f"{self.prefix}.infer.{model_token(model_id)}.>"
 
     @property
     def infer_all(self) -> str:
-        return f"{self.prefix}.infer.*"
+        return f"{self.prefix}.infer.>"
 
     @property
     def infer_stream(self) -> str:
-        """The work-queue stream that holds every model's waiting requests (one subject each)."""
+        """The work-queue stream that holds every model's waiting requests (a subject per lane)."""
         return f"{self.stream_prefix}_INFER"
-
-    def infer_consumer(self, model_id: str) -> str:
-        """The durable pull consumer that a model's workers share."""
-        return f"workers_{model_token(model_id)}"
 
     def reply_prefix(self, router_id: str) -> str:
         """Prefix of the reply subjects of one router instance."""

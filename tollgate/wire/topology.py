@@ -16,7 +16,6 @@ each channel's contract.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -25,6 +24,7 @@ from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
+    DiscardPolicy,
     KeyValueConfig,
     RetentionPolicy,
     StorageType,
@@ -41,9 +41,14 @@ log = logging.getLogger("tollgate.topology")
 # How long a request may wait in a model's work queue at most. Routers give
 # up much sooner (their queue timeout); this only clears what nobody fetched.
 INFER_MAX_AGE_S = 600.0
-# How long a fetched request stays with a worker that has not acknowledged it
-# before it is offered to another (a worker acknowledges before it starts).
-WORK_ACK_WAIT_S = 30.0
+# Bounds of the work queue, enforced by the server (new messages refused when
+# full): every model's lanes together, and one lane (one key's requests of one
+# class). The routers refuse a model's requests sooner, at its own pending
+# limit (TOLLGATE_ROUTER_MAX_QUEUED_PER_MODEL), with a Retry-After. No byte
+# bound: a memory stream's byte limit is reserved from the server's JetStream
+# memory up front, and the server's own max_memory_store bounds it anyway.
+WORK_MAX_MSGS = 100_000
+WORK_MAX_MSGS_PER_LANE = 10_000
 DEDUPE_WINDOW_S = 600.0
 # nats-server's JSStreamNameExistErr: "stream name already in use with a
 # different configuration" (the same configuration is no error).
@@ -95,12 +100,24 @@ class StreamSpec:
     max_age_s: float | None = None
     duplicate_window_s: float | None = None
     contract: Contract = None
+    # readers that take messages by reading one (direct get) and deleting it:
+    # whoever deletes it has it (a work queue without consumers)
+    claimers: frozenset[Role] = frozenset()
+    # writers that may delete a message they wrote (a request withdrawn)
+    withdrawers: frozenset[Role] = frozenset()
+    # limits the server enforces by refusing new messages (None: unlimited)
+    max_msgs: int | None = None
+    max_msgs_per_subject: int | None = None
+    max_bytes: int | None = None
+    # the shape of its subjects, for the documents (its subjects are wildcards)
+    pattern: str | None = None
 
     @property
     def may_create(self) -> frozenset[Role]:
         return self.creators if self.creators is not None else self.writers | self.readers
 
     def config(self, replicas: int) -> StreamConfig:
+        bounded = self.max_msgs is not None or self.max_msgs_per_subject is not None
         return StreamConfig(
             name=self.name,
             subjects=list(self.subjects),
@@ -109,6 +126,14 @@ class StreamSpec:
             max_age=self.max_age_s,
             duplicate_window=self.duplicate_window_s or 0.0,
             num_replicas=replicas,
+            max_msgs=self.max_msgs if self.max_msgs is not None else -1,
+            max_msgs_per_subject=(
+                self.max_msgs_per_subject if self.max_msgs_per_subject is not None else -1
+            ),
+            max_bytes=self.max_bytes if self.max_bytes is not None else -1,
+            discard=DiscardPolicy.NEW if bounded else DiscardPolicy.OLD,
+            discard_new_per_subject=self.max_msgs_per_subject is not None,
+            allow_direct=True if self.claimers else None,
         )
 
 
@@ -206,24 +231,32 @@ class Topology:
         )
         # Requests live in memory: each belongs to an open client connection on
         # a router, so there is nothing to recover from disk after a NATS
-        # restart. One stream for every model (one subject each), so that
-        # permissions on it do not depend on which models exist.
+        # restart. One stream for every model, so that permissions on it do not
+        # depend on which models exist; one subject per lane (a model's
+        # requests of one class, tenant and key). A model's workers take from
+        # its lanes by weight: they read a lane's oldest request (direct get)
+        # and delete it, and whoever deletes it runs it. No consumer: a pull
+        # consumer hands out messages in arrival order only.
         self.work = StreamSpec(
-            "requests waiting for a worker, one subject per model",
+            "requests waiting for a worker, one subject per lane (model, class, tenant, key)",
             s.infer_stream,
             (s.infer_all,),
             StorageType.MEMORY,
             writers=_roles(R.ROUTER),
             readers=_roles(R.WORKER),
             observers=_roles(R.SCALER),  # queue depth per model, never a request
-            # Workers run model code: they create nothing on the bus (no stream,
-            # no consumer whose deliver subject they could choose). Routers
-            # create the stream and each model's consumer; workers bind to it.
+            # Workers run model code: they create nothing on the bus. Routers
+            # create the stream.
             creators=_roles(R.ROUTER),
             retention=RetentionPolicy.WORK_QUEUE,
             max_age_s=INFER_MAX_AGE_S,
             duplicate_window_s=120.0,
             contract=c.InferenceRequest,
+            claimers=_roles(R.WORKER),
+            withdrawers=_roles(R.ROUTER),  # a request whose client left, before a worker took it
+            max_msgs=WORK_MAX_MSGS,
+            max_msgs_per_subject=WORK_MAX_MSGS_PER_LANE,
+            pattern=f"{s.prefix}.infer.<model>.<class>.<tenant>.<key>",
         )
         self.dead_letter = StreamSpec(
             "usage messages metering could not read, with the reason",
@@ -378,10 +411,11 @@ class Topology:
                 contract=c.WorkerHeartbeat,
             ),
             SubjectSpec(
-                "arrivals: one small event per request queued (no body)",
+                "arrivals: one small event per request queued (no body); "
+                "wakes the model's idle workers",
                 f"{p}.arrivals.<model>",
                 _roles(R.ROUTER),
-                _roles(R.SCALER),
+                _roles(R.SCALER, R.WORKER),
                 contract=c.Arrival,
             ),
             SubjectSpec(
@@ -409,26 +443,9 @@ class Topology:
             ),
         )
 
-    # -- per model ------------------------------------------------------------
-
-    def workers(self, model_id: str) -> ConsumerSpec:
-        """The durable pull consumer that a model's workers share."""
-        return ConsumerSpec(
-            f"the workers of `{model_id}`",
-            self.subjects.infer_stream,
-            self.subjects.infer_consumer(model_id),
-            self.subjects.infer(model_id),
-            R.WORKER,
-            creator=R.ROUTER,
-        )
-
-    async def ensure_workers(self, js: JetStreamContext, model_ids: Iterable[str]) -> None:
-        """The work queue and each model's worker consumer (the router's part of ensure)."""
+    async def ensure_work(self, js: JetStreamContext) -> None:
+        """The work queue (the router's part of ensure)."""
         await self.ensure_stream(js, self.work, R.ROUTER)
-        for model_id in model_ids:
-            spec = self.workers(model_id)
-            config = spec.config(ack_wait=WORK_ACK_WAIT_S, max_ack_pending=-1)
-            await js.add_consumer(spec.stream, config)
 
     # -- the table ------------------------------------------------------------
 
@@ -519,7 +536,6 @@ def describe(topology: Topology) -> str:
     def who(roles: frozenset[Role]) -> str:
         return ", ".join(sorted(r.value for r in roles))
 
-    model = "<model>"
     rows = [
         "| kind | name | subjects | writers | readers | what |",
         "|---|---|---|---|---|---|",
@@ -540,7 +556,7 @@ def describe(topology: Topology) -> str:
             f"| KV bucket, {bucket.storage.value} | `{bucket.name}` | | {who(bucket.writers)} "
             f"| {who(bucket.readers)} | {bucket.what} |"
         )
-    for consumer in (topology.workers(model), *topology.consumers):
+    for consumer in topology.consumers:
         rows.append(
             f"| durable consumer | `{consumer.stream}/{consumer.durable}` "
             f"| `{consumer.filter_subject}` | | {consumer.reader.value} | {consumer.what} |"
