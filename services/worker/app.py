@@ -170,6 +170,7 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     lease = hold_entry(engine.model_path)
     metrics = WorkerMetrics()
     consumer = WorkerConsumer(nc, engine, settings, common.subjects, entry.id, metrics)
+    consumer.started_at = time.time() - (time.monotonic() - born)
     metrics.watch(consumer.heartbeat)
 
     async def drain() -> None:

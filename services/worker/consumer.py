@@ -17,10 +17,9 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 
+from services.worker.claims import Claimed, WorkClaims
 from services.worker.engine import (
     Engine,
     ErrorResult,
@@ -35,6 +34,7 @@ from tollgate.runtime import tracing
 from tollgate.runtime.logs import request_id_var
 from tollgate.wire import codec
 from tollgate.wire.contracts import (
+    ENGINE_PRIORITY,
     CancelRequest,
     ChunkKind,
     InferenceRequest,
@@ -52,10 +52,6 @@ log = logging.getLogger("tollgate.worker")
 
 # How many cancelled-before-start request ids a worker remembers.
 _CANCELLED_KEPT = 10_000
-
-
-class _Stopped(Exception):
-    """The worker was told to stop while it waited for its work queue."""
 
 
 # How long the router that holds a call has to acknowledge its END chunk.
@@ -136,10 +132,13 @@ class WorkerConsumer:
         self._generating: set[str] = set()
         # Final reports waiting for the router's acknowledgement: the request's
         # slot is free meanwhile, and a drain waits for them.
-        self._reporting: set[asyncio.Task[bool]] = set()
+        self._reporting: set[asyncio.Task[Any]] = set()
         # Ids cancelled while not running here, newest last (bounded).
         self._cancelled: dict[str, float] = {}
         self._slot_freed = asyncio.Event()
+        self._arrival = asyncio.Event()
+        self.claims = WorkClaims(nc, subjects, model_id, fair=settings.fair_share)
+        self.started_at = time.time()  # the process start, when the app knows it
         self._stopping = asyncio.Event()
         self.drained = asyncio.Event()  # set once a drain has finished every request
         self._tasks: list[asyncio.Task[None]] = []
@@ -180,6 +179,11 @@ class WorkerConsumer:
         self._stopping.set()
         await self._send_heartbeat()
         log.info("draining", extra={"inflight": len(self.inflight)})
+        # The pull loop first: it sees _stopping within a second, and a request
+        # it has just claimed joins the in-flight ones below.
+        pulls = [t for t in self._tasks if t.get_name() == "pull"]
+        if pulls:
+            await asyncio.wait(pulls, timeout=10)
         if self.inflight:
             _, pending = await asyncio.wait(
                 list(self.inflight.values()), timeout=self.settings.drain_timeout_s
@@ -191,11 +195,6 @@ class WorkerConsumer:
         if self._reporting:
             await asyncio.wait(list(self._reporting), timeout=END_ACK_TIMEOUT_S + 5)
         self.drained.set()
-        # The pull loop sees _stopping within one fetch timeout and unsubscribes
-        # itself; a pull subscription cancelled mid-fetch would hold up NATS drain.
-        pulls = [t for t in self._tasks if t.get_name() == "pull"]
-        if pulls:
-            await asyncio.wait(pulls, timeout=3)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -224,6 +223,7 @@ class WorkerConsumer:
             sent_at=time.time(),
             startup_s=self.startup_s,
             startup_parts=self.startup_parts or None,
+            started_at=self.started_at,
         )
 
     async def _send_heartbeat(self) -> None:
@@ -261,54 +261,13 @@ class WorkerConsumer:
 
     # -- the pull loop -----------------------------------------------------
 
-    async def _subscribe(self) -> Any:
-        """Bind to the model's consumer, waiting until a router has created it.
-
-        Workers create nothing on the bus (``Topology.work``): routers make the
-        work queue and one consumer per catalog model when they start, and again
-        when a NATS restart has lost them (the queue lives in memory).
-        """
-        consumer = self.topology.workers(self.model_id)
-        waiting_since = time.monotonic()
-        while True:
-            try:
-                await self.js.consumer_info(consumer.stream, consumer.durable)
-                break
-            except NotFoundError:
-                if time.monotonic() - waiting_since > 30:
-                    log.warning("no work queue for this model yet: waiting for a router")
-                    waiting_since = time.monotonic()
-            except Exception as exc:  # NATS reconnecting
-                log.warning("consumer check failed: %s: %s", type(exc).__name__, exc)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.settings.queue_check_s / 3):
-                    await self._stopping.wait()
-                    raise _Stopped
-        return await self.js.pull_subscribe_bind(consumer.durable, stream=consumer.stream)
-
-    async def _consumer_gone(self) -> bool:
-        """True when the work queue or its consumer no longer exists.
-
-        The queue is kept in memory: a NATS restart loses it and its consumer,
-        and a pull subscription on a vanished consumer only ever times out.
-        """
-        try:
-            await self.js.consumer_info(
-                self.subjects.infer_stream,
-                self.subjects.infer_consumer(self.model_id),
-            )
-        except NotFoundError:
-            return True
-        except Exception:  # NATS unreachable right now: ask again later
-            return False
-        return False
+    async def _on_arrival(self, msg: Msg) -> None:
+        self.claims.arrived()
+        self._arrival.set()
 
     async def _pull_loop(self) -> None:
-        try:
-            sub = await self._subscribe()
-        except _Stopped:
-            return
-        idle_since = time.monotonic()
+        """Take a request whenever a slot is free (see :mod:`services.worker.claims`)."""
+        sub = await self.nc.subscribe(self.subjects.arrivals(self.model_id), cb=self._on_arrival)
         while not self._stopping.is_set():
             if len(self.inflight) >= self.engine.slots_total:
                 self._slot_freed.clear()
@@ -316,60 +275,53 @@ class WorkerConsumer:
                     async with asyncio.timeout(1.0):
                         await self._slot_freed.wait()
                 continue
-            if time.monotonic() - idle_since > self.settings.queue_check_s:
-                idle_since = time.monotonic()
-                if await self._consumer_gone():
-                    log.warning("work queue vanished (NATS restarted?); subscribing again")
-                    with contextlib.suppress(Exception):
-                        await sub.unsubscribe()
-                    try:
-                        sub = await self._subscribe()
-                    except _Stopped:
-                        break
-                    except Exception as exc:
-                        log.warning("subscribe failed: %s: %s", type(exc).__name__, exc)
-                    continue
+            self._arrival.clear()
             try:
-                # One message per fetch: nats.py's fetch(batch=N) waits for the
-                # whole batch (or its timeout) once one message has arrived.
-                msgs = await sub.fetch(1, timeout=1.0)
-            except (TimeoutError, NatsTimeoutError):
+                claimed = await self.claims.take()
+            except Exception as exc:  # NATS reconnecting, or the queue gone with a restart
+                log.warning("taking a request failed: %s: %s", type(exc).__name__, exc)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5):
+                        await self._stopping.wait()
                 continue
-            except Exception as exc:  # NATS reconnecting: try again shortly
-                log.warning("fetch failed: %s: %s", type(exc).__name__, exc)
-                await asyncio.sleep(0.5)
+            if claimed is None:
+                # Nothing waits: sleep until a router announces a request (or a
+                # second passes: an announcement can be lost).
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await self._arrival.wait()
                 continue
-            idle_since = time.monotonic()
-            for msg in msgs:
-                await self._accept(msg)
+            self._accept(claimed)
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
-        log.info("stopped fetching")
+        log.info("stopped taking requests")
 
-    async def _accept(self, msg: Msg) -> None:
+    def _accept(self, claimed: Claimed) -> None:
         try:
-            request = codec.decode(InferenceRequest, msg.data)
+            request = codec.decode(InferenceRequest, claimed.data)
         except Exception:
-            log.error("malformed inference request dropped")
-            await msg.term()
+            log.error("malformed inference request dropped", extra={"subject": claimed.subject})
             return
-        await msg.ack()
+        self.claims.share.learn(claimed.subject, request.tenant_weight, request.key_weight)
         if self._cancelled.pop(request.request_id, None) is not None:
             log.info("cancelled before start", extra={"request_id": request.request_id})
-            await _Reply(self.nc, request).send(
-                ChunkKind.END, outcome=Outcome.CANCELLED, usage=Usage()
-            )
+            self._answer_now(request, Outcome.CANCELLED)
             return
         if time.time() > request.start_by:
             log.info("expired before start", extra={"request_id": request.request_id})
-            await _Reply(self.nc, request).send(
-                ChunkKind.END, outcome=Outcome.EXPIRED, usage=Usage()
-            )
+            self._answer_now(request, Outcome.EXPIRED)
             return
-        trace_headers = dict(msg.headers or {})
-        task = asyncio.create_task(self._traced(request, trace_headers), name=request.request_id)
+        task = asyncio.create_task(self._traced(request, claimed.headers), name=request.request_id)
         self.inflight[request.request_id] = task
         task.add_done_callback(lambda _: self._release(request.request_id))
+
+    def _answer_now(self, request: InferenceRequest, outcome: Outcome) -> None:
+        """End a request that will not run (cancelled or expired before it started)."""
+        task = asyncio.create_task(
+            _Reply(self.nc, request).send(ChunkKind.END, outcome=outcome, usage=Usage())
+        )
+        self._reporting.add(task)
+        task.add_done_callback(self._reporting.discard)
 
     def _release(self, request_id: str) -> None:
         self.inflight.pop(request_id, None)
@@ -407,7 +359,10 @@ class WorkerConsumer:
             await reply.send(ChunkKind.START, worker_id=self.worker_id)
             timeout = max(0.0, request.deadline - time.time())
             async with asyncio.timeout(timeout):
-                result = await self.engine.run(request.endpoint, request.body, request.request_id)
+                # The class reaches the engine as its own request priority,
+                # whatever priority the client put in the body.
+                body = {**request.body, "priority": ENGINE_PRIORITY[request.priority]}
+                result = await self.engine.run(request.endpoint, body, request.request_id)
                 if isinstance(result, ErrorResult):
                     outcome = Outcome.ERROR
                     await reply.send(ChunkKind.ERROR, data=result.body, status=result.status)
@@ -422,10 +377,10 @@ class WorkerConsumer:
         except Exception:
             log.exception("engine failure")
             outcome = Outcome.ERROR
-            body = error_json(
+            failure = error_json(
                 "The engine failed while serving the request.", "InternalServerError", code=500
             ).decode()
-            await reply.send(ChunkKind.ERROR, data=body, status=500)
+            await reply.send(ChunkKind.ERROR, data=failure, status=500)
         finally:
             self._generating.discard(request.request_id)
         if usage is None:

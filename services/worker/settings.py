@@ -21,8 +21,10 @@ class WorkerSettings(BaseSettings):
     drain_timeout_s: float = Field(
         default=120.0, gt=0, description="How long SIGTERM waits for in-flight requests."
     )
-    queue_check_s: float = Field(
-        default=3.0, gt=0, description="After this long without work, check the queue still exists."
+    fair_share: bool = Field(
+        default=True,
+        description="Take requests by weighted fair share between tenants and keys "
+        "(off: first come, first served).",
     )
     host: str = Field(default="127.0.0.1", description="Health and metrics listen address.")
     port: int | None = Field(
