@@ -144,6 +144,7 @@ def create_app(
         await capturer.drain()
         await lost.stop()
         await usage.flush()
+        await limiter.close()
         await keys.stop()
         await bus.close(nc)
 

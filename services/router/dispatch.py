@@ -12,9 +12,10 @@ import logging
 import time
 from collections.abc import Iterable
 
+import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.errors import NoStreamResponseError
+from nats.js.errors import APIError, NoStreamResponseError
 
 from services.router.errors import PayloadTooLarge
 from services.router.limits import Reservation
@@ -33,6 +34,14 @@ from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.dispatch")
 
+# JetStream's refusals of a message that would pass the work queue's limits
+# (messages, bytes, messages per lane).
+_QUEUE_FULL = frozenset({10077, 10047, 10159})
+
+
+class QueueFull(Exception):
+    """The work queue refused the request: it is at one of its limits."""
+
 
 class Call:
     """One request in flight: its chunks arrive on ``queue`` in order."""
@@ -45,13 +54,18 @@ class Call:
         "queue",
         "request",
         "reservation",
+        "seq",
         "started_at",
         "submitted_at",
+        "token",
         "worker_id",
     )
 
     def __init__(self, request: InferenceRequest) -> None:
         self.request = request
+        # the key its chunks arrive under (the request id, then one per retry)
+        self.token = request.request_id
+        self.seq: int | None = None  # its message in the work queue, once published
         self.queue: asyncio.Queue[ResponseChunk] = asyncio.Queue()
         self.worker_id: str | None = None
         self.cancelled = False
@@ -73,8 +87,11 @@ class Dispatcher:
         self.topology = topology
         self.subjects = topology.subjects
         self.router_id = router_id
-        self._calls: dict[str, Call] = {}
+        self._calls: dict[str, Call] = {}  # by token
         self.model_ids: list[str] = []
+        self._waiting: dict[str, tuple[float, int]] = {}  # model -> (read at, count)
+        # this router's calls no worker has taken yet: model -> token -> published at
+        self._unstarted: dict[str, dict[str, float]] = {}
 
     async def start(self, model_ids: Iterable[str], body_limit: int | None = None) -> None:
         """Create the work queue and each model's worker consumer, then take chunks.
@@ -91,17 +108,17 @@ class Dispatcher:
                 f"max_payload (Tollgate's own configurations set {MAX_PAYLOAD})."
             )
         self.model_ids = list(model_ids)
-        await self.topology.ensure_workers(self.js, self.model_ids)
+        await self.topology.ensure_work(self.js)
         await self.nc.subscribe(
             f"{self.subjects.reply_prefix(self.router_id)}.*", cb=self._on_chunk
         )
 
-    def reply_subject(self, request_id: str) -> str:
-        return self.subjects.reply(self.router_id, request_id)
+    def reply_subject(self, token: str) -> str:
+        return self.subjects.reply(self.router_id, token)
 
     async def _on_chunk(self, msg: Msg) -> None:
-        request_id = msg.subject.rpartition(".")[2]
-        call = self._calls.get(request_id)
+        token = msg.subject.rpartition(".")[2]
+        call = self._calls.get(token)
         if call is None:
             # The call is over (client gone); late chunks are dropped. A final
             # report (END, sent as a request) gets no acknowledgement, so the
@@ -110,7 +127,7 @@ class Dispatcher:
         try:
             chunk = codec.decode(ResponseChunk, msg.data)
         except Exception:
-            log.error("malformed chunk dropped", extra={"request_id": request_id})
+            log.error("malformed chunk dropped", extra={"request_id": token})
             return
         call.queue.put_nowait(chunk)
         if msg.reply:  # the END: this router has it, and bills the call
@@ -118,7 +135,36 @@ class Dispatcher:
                 await msg.respond(b"")
 
     async def submit(self, request: InferenceRequest) -> Call:
-        """Register the call, then publish it to the model's work queue."""
+        """Register the call, then publish it to its lane of the model's work queue."""
+        call = Call(request)
+        await self._publish(call)
+        return call
+
+    def started(self, call: Call) -> None:
+        """A worker took the call: it no longer waits in the queue."""
+        self._unstarted.get(call.request.model, {}).pop(call.token, None)
+
+    async def requeue(self, call: Call) -> None:
+        """Queue a call again for another worker (its worker was lost before any output).
+
+        The new attempt has its own reply subject, so chunks that the lost
+        worker may still send are dropped.
+        """
+        self._calls.pop(call.token, None)
+        self.started(call)
+        attempt = call.request.attempt + 1
+        call.token = f"{call.request.request_id}~{attempt}"
+        call.request = call.request.model_copy(
+            update={"attempt": attempt, "reply_to": self.reply_subject(call.token)}
+        )
+        call.queue = asyncio.Queue()
+        call.worker_id = None
+        call.started_at = None
+        call.seq = None
+        await self._publish(call)
+
+    async def _publish(self, call: Call) -> None:
+        request = call.request
         # Encoded before the call is registered: a request that cannot be
         # encoded leaves nothing behind.
         data = codec.encode(request)
@@ -126,46 +172,50 @@ class Dispatcher:
             raise PayloadTooLarge(
                 f"The request is larger than the {self.nc.max_payload} bytes the bus carries."
             )
-        call = Call(request)
-        self._calls[request.request_id] = call
-        subject = self.subjects.infer(request.model)
-        headers = tracing.inject(
-            {"Nats-Msg-Id": request.request_id, "Tollgate-Request-Id": request.request_id}
+        self._calls[call.token] = call
+        subject = self.subjects.infer_lane(
+            request.model, request.priority.value, request.tenant or "anonymous", request.key_id
         )
-        await self._announce(request)
+        msg_id = call.token
+        headers = tracing.inject({"Nats-Msg-Id": msg_id, "Tollgate-Request-Id": request.request_id})
         try:
             try:
-                await self.js.publish(subject, data, headers=headers, timeout=5)
+                ack = await self.js.publish(subject, data, headers=headers, timeout=5)
             except NoStreamResponseError:
-                # The in-memory stream is gone (NATS restarted): recreate it, and
-                # the consumers every model's workers wait to bind to, once.
-                await self.topology.ensure_workers(self.js, self.model_ids)
-                await self.js.publish(subject, data, headers=headers, timeout=5)
-        except BaseException:
-            self._calls.pop(request.request_id, None)
+                # The in-memory stream is gone (NATS restarted): recreate it once.
+                await self.topology.ensure_work(self.js)
+                ack = await self.js.publish(subject, data, headers=headers, timeout=5)
+        except BaseException as exc:
+            self._calls.pop(call.token, None)
+            if isinstance(exc, APIError) and exc.err_code in _QUEUE_FULL:
+                raise QueueFull(str(exc.description)) from None
             # The publish may have reached the queue although its ack did not
             # come back (a timeout): make sure no worker runs it for nobody.
             await self.cancel(call, "not_dispatched")
             raise
-        return call
+        call.seq = ack.seq
+        self._unstarted.setdefault(request.model, {})[call.token] = time.monotonic()
+        await self._announce(request)
 
     async def _announce(self, request: InferenceRequest) -> None:
-        """Tell the scaler a request arrives (a small event, no body).
+        """Tell the scaler and the model's idle workers that a request waits (no body).
 
-        Buffered just before the request itself, so both leave in one write.
+        Sent once the request is in the queue, so a worker woken by it finds it.
         """
         arrival = Arrival(
             request_id=request.request_id, model=request.model, at=request.enqueued_at
         )
         try:
             await self.nc.publish(self.subjects.arrivals(request.model), codec.encode(arrival))
-        except Exception as exc:  # the scaler also sees the queue depth: not worth failing for
+        except Exception as exc:  # workers also look every second: not worth failing for
             log.warning("arrival not announced: %s: %s", type(exc).__name__, str(exc))
 
     async def cancel(self, call: Call, reason: str) -> None:
         if call.cancelled:
             return
         call.cancelled = True
+        if call.worker_id is None and call.seq is not None:
+            await self._withdraw(call)
         cancel = CancelRequest(request_id=call.request.request_id, reason=reason)
         try:
             await self.nc.publish(
@@ -173,6 +223,36 @@ class Dispatcher:
             )
         except Exception as exc:
             log.warning("cancel not sent: %s: %s", type(exc).__name__, str(exc))
+
+    async def _withdraw(self, call: Call) -> None:
+        """Delete a request no worker has taken yet from the queue (best effort).
+
+        A worker that took it meanwhile gets the cancel message instead.
+        """
+        request = orjson.dumps({"seq": call.seq, "no_erase": True})
+        try:
+            await self.nc.request(
+                f"$JS.API.STREAM.MSG.DELETE.{self.subjects.infer_stream}", request, timeout=2
+            )
+        except Exception as exc:
+            log.debug("withdraw failed: %s: %s", type(exc).__name__, exc)
+
+    async def waiting(self, model: str, max_age_s: float = 0.5) -> int:
+        """Requests of ``model`` waiting in the work queue, from every router.
+
+        The queue's per-lane counts are read at most every ``max_age_s``; this
+        router's calls published since and not yet taken are added.
+        """
+        now = time.monotonic()
+        seen = self._waiting.get(model)
+        if seen is None or now - seen[0] > max_age_s:
+            info = await self.js.stream_info(
+                self.subjects.infer_stream, subjects_filter=self.subjects.infer_lanes(model)
+            )
+            seen = self._waiting[model] = (now, sum((info.state.subjects or {}).values()))
+        read_at, count = seen
+        mine = self._unstarted.get(model)
+        return count + (sum(1 for at in mine.values() if at > read_at) if mine else 0)
 
     @property
     def in_flight(self) -> int:
@@ -183,4 +263,5 @@ class Dispatcher:
         return sum(1 for call in self._calls.values() if call.worker_id is None)
 
     def finish(self, call: Call) -> None:
-        self._calls.pop(call.request.request_id, None)
+        self._calls.pop(call.token, None)
+        self.started(call)

@@ -22,7 +22,7 @@ from services.router.appkeys import (
     SETTINGS,
     STARTED_AT,
 )
-from services.router.auth import Principal
+from services.router.auth import PRIORITY_HEADER, Principal, request_priority
 from services.router.capture import replay_exempt
 from services.router.dispatch import Call
 from services.router.errors import (
@@ -164,7 +164,12 @@ async def _serve_call(
             request.app[KEYS].authorize(principal, prepared.entry, prepared.body["model"])
         # a replayed request (tollgate replay) is not captured again: only a replay key's
         replayed = replay_exempt(principal.record if principal else None, request.headers)
-        call = await serving.submit(prepared, request_id, principal, capture=not replayed)
+        priority = request_priority(
+            principal.record if principal else None, request.headers.get(PRIORITY_HEADER)
+        )
+        call = await serving.submit(
+            prepared, request_id, principal, capture=not replayed, priority=priority
+        )
     except TollgateError as exc:
         if span is not None:
             span.ended(exc.status, exc.code or exc.type)

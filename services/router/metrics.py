@@ -50,7 +50,20 @@ class RouterMetrics:
         )
         self.queue_wait = Histogram(
             "tollgate_router_queue_wait_seconds",
-            "From arrival until a worker took the request.",
+            "From arrival until a worker took the request, by class (interactive, batch).",
+            ["model", "priority", "tenant"] if tenant_label else ["model", "priority"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.retries = Counter(
+            "tollgate_router_retries",
+            "Requests queued again because their worker was lost before any output.",
+            ["model"],
+            registry=r,
+        )
+        self.cold_start_hold = Histogram(
+            "tollgate_router_cold_start_hold_seconds",
+            "How long requests waited past the queue timeout for a worker that was starting.",
             ["model"],
             buckets=_LATENCY,
             registry=r,
@@ -111,4 +124,6 @@ class RouterMetrics:
         if event.ttft_s is not None:
             self.ttft.labels(model).observe(event.ttft_s)
         if event.queue_s is not None:
-            self.queue_wait.labels(model).observe(event.queue_s)
+            priority = event.priority.value
+            labels = (model, priority, event.tenant) if self.tenant_label else (model, priority)
+            self.queue_wait.labels(*labels).observe(event.queue_s)

@@ -14,11 +14,13 @@ from pydantic import ValidationError
 
 from services.router.auth import Principal
 from services.router.capture import Capturer
-from services.router.dispatch import Call, Dispatcher
+from services.router.dispatch import Call, Dispatcher, QueueFull
 from services.router.errors import (
     DeadlineExceeded,
     InvalidRequest,
     ModelNotFound,
+    Overloaded,
+    RateLimited,
     ServiceUnavailable,
     TollgateError,
     WorkerLost,
@@ -26,6 +28,7 @@ from services.router.errors import (
 from services.router.lifecycle import KEEPALIVE, CallLife, Ending, Keepalive
 from services.router.limits import Limiter, worst_case_tokens
 from services.router.metrics import RouterMetrics
+from services.router.overload import DrainMeter, hold_until
 from services.router.protocol import ChatCompletionBody, CompletionBody, normalise
 from services.router.settings import RouterSettings
 from services.router.usage import UsagePublisher
@@ -38,6 +41,7 @@ from tollgate.wire.contracts import (
     Endpoint,
     InferenceRequest,
     Outcome,
+    Priority,
     ResponseChunk,
     Usage,
     UsageEvent,
@@ -132,6 +136,8 @@ class OpenAIServing:
         self.usage = usage
         self.metrics = metrics
         self._finishing: set[asyncio.Task[None]] = set()
+        self.drain_meter = DrainMeter()
+        self._ready_s: dict[str, float] = {}  # model -> latest measured time to ready
 
     def parse(self, endpoint: Endpoint, raw: bytes) -> Prepared:
         """Check what the edge must check; raise an :class:`InvalidRequest` otherwise.
@@ -178,8 +184,10 @@ class OpenAIServing:
         request_id: str,
         principal: Principal | None,
         capture: bool = True,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> Call:
-        """Reserve the key's limits, then put the request in the model's queue."""
+        """Check the model's queue has room, reserve the key's limits, then queue the request."""
+        await self._check_room(prepared.entry.id)
         reservation = None
         if principal is not None and self.limiter is not None and principal.record.limited:
             try:
@@ -189,6 +197,12 @@ class OpenAIServing:
                         prepared.endpoint, prepared.body, prepared.entry.max_model_len
                     ),
                 )
+            except RateLimited as exc:
+                if "Retry-After" not in exc.headers:  # the key's concurrent requests
+                    fallback = self.settings.retry_after_s
+                    wait = self.drain_meter.slot_retry_after(prepared.entry.id, fallback)
+                    exc.headers["Retry-After"] = str(wait)
+                raise
             except TollgateError:
                 raise
             except Exception as exc:  # the limits cannot be checked: refuse, never guess
@@ -199,7 +213,7 @@ class OpenAIServing:
                     headers={"Retry-After": str(self.settings.retry_after_s)},
                 ) from None
         try:
-            call = await self._dispatch(prepared, request_id, principal)
+            call = await self._dispatch(prepared, request_id, principal, priority)
         except BaseException as exc:
             if reservation is not None and self.limiter is not None:
                 await self.limiter.settle(reservation, 0)
@@ -229,6 +243,7 @@ class OpenAIServing:
                     "tokens": reservation.tokens,
                     "tpm_key": reservation.tpm_key,
                     "budget_key": reservation.budget_key,
+                    "concurrency_key": reservation.concurrency_key,
                 }
             self.usage.opened(call.request, prepared.stream, held)
         if capture and self.capturer is not None:
@@ -237,10 +252,34 @@ class OpenAIServing:
                 call.captured = []
         return call
 
+    async def _check_room(self, model: str) -> None:
+        """Refuse at once (503, Retry-After) when the model's queue is at its pending limit."""
+        limit = self.settings.max_queued_per_model
+        try:
+            waiting = await self.dispatcher.waiting(model)
+        except Exception as exc:  # the queue's own limits still hold
+            log.debug("queue depth unknown: %s: %s", type(exc).__name__, str(exc))
+            return
+        if waiting >= limit:
+            raise self._overloaded(model, waiting - limit + 1)
+
+    def _overloaded(self, model: str, excess: int) -> Overloaded:
+        wait = self.drain_meter.queue_retry_after(model, excess, self.settings.retry_after_s)
+        return Overloaded(
+            f"`{model}` has more requests waiting than it can take now. Please retry in {wait} s.",
+            headers={"Retry-After": str(wait)},
+        )
+
     async def _dispatch(
-        self, prepared: Prepared, request_id: str, principal: Principal | None
+        self,
+        prepared: Prepared,
+        request_id: str,
+        principal: Principal | None,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> Call:
         now = time.time()
+        tenant = principal.tenant if principal else None
+        key_weight = float(getattr(principal.record, "weight", 1.0)) if principal else 1.0
         request = InferenceRequest(
             request_id=request_id,
             model=prepared.entry.id,
@@ -248,15 +287,23 @@ class OpenAIServing:
             body=prepared.body,
             reply_to=self.dispatcher.reply_subject(request_id),
             enqueued_at=now,
-            start_by=now + self.settings.queue_timeout_s,
+            # The router withdraws the request when it stops waiting (queue
+            # timeout, or a cold start that took too long); until then a
+            # worker may start it.
+            start_by=now + self.settings.request_timeout_s,
             deadline=now + self.settings.request_timeout_s,
-            tenant=principal.tenant if principal else None,
+            tenant=tenant,
             key_id=principal.key_id if principal else None,
+            priority=priority,
+            tenant_weight=self.settings.tenant_weights.get(tenant or "anonymous", 1.0),
+            key_weight=key_weight,
         )
         try:
             return await self.dispatcher.submit(request)
         except TollgateError:
             raise
+        except QueueFull:
+            raise self._overloaded(prepared.entry.id, 1) from None
         except Exception as exc:
             # str(exc): a log record kept by a handler must not hold the call's frames
             log.warning("dispatch failed: %s: %s", type(exc).__name__, str(exc))
@@ -283,17 +330,33 @@ class OpenAIServing:
         deadline = started + self.settings.request_timeout_s
         tick = self.settings.first_byte_wait_s
         expected = 0
-        queue = call.queue
+        held_since: float | None = None  # waiting for a starting worker since
         span = tracing.current_call()  # the call's span, when tracing is on
+        model = prepared.entry.id
         while True:
+            queue = call.queue  # a new one when the call is queued again
             if queue.empty():
                 now = loop.time()
                 if call.worker_id is None:
                     wait = min(tick, start_deadline - now)
                     if wait <= 0:
+                        held = self._hold(prepared.entry, now, deadline)
+                        if held is not None and held > start_deadline:
+                            if held_since is None:
+                                held_since = now
+                                log.info(
+                                    "waiting for a starting worker",
+                                    extra={"model": model, "hold_s": round(held - now, 1)},
+                                )
+                            start_deadline = held
+                            continue
+                        waited = (
+                            f"{self.settings.queue_timeout_s:g} s"
+                            if held_since is None
+                            else f"{now - started:.0f} s (a worker was starting)"
+                        )
                         raise self._unavailable(
-                            f"No worker for `{prepared.entry.id}` became free within "
-                            f"{self.settings.queue_timeout_s:g} s. Please retry."
+                            f"No worker for `{model}` became free within {waited}. Please retry."
                         )
                 else:
                     wait = min(tick, self.workers.window(call.worker_id), deadline - now)
@@ -305,6 +368,9 @@ class OpenAIServing:
                 except TimeoutError:
                     tick = self.settings.keepalive_interval_s
                     if call.worker_id is not None and not self.workers.alive(call.worker_id):
+                        if await self._requeue(call):
+                            expected = 0
+                            continue
                         raise WorkerLost(
                             "The worker serving this request stopped responding."
                         ) from None
@@ -313,12 +379,18 @@ class OpenAIServing:
             else:
                 chunk = queue.get_nowait()
             if chunk.seq != expected:
+                # The worker is alive (a chunk was lost on the way): not queued again,
+                # since cancelling its attempt would cancel the new one too.
                 raise WorkerLost("The response stream from the worker was interrupted.")
             expected += 1
             kind = chunk.kind
             if kind is ChunkKind.START:
                 call.worker_id = chunk.worker_id
                 call.started_at = time.monotonic()
+                self.dispatcher.started(call)
+                self.drain_meter.taken(model)
+                if held_since is not None and self.metrics is not None:
+                    self.metrics.cold_start_hold.labels(model).observe(loop.time() - held_since)
                 continue
             if kind is ChunkKind.DATA:
                 if call.first_output_at is None:
@@ -341,6 +413,47 @@ class OpenAIServing:
             yield chunk
             if kind is ChunkKind.END:
                 return
+
+    def _hold(self, entry: ModelEntry, now: float, deadline: float) -> float | None:
+        """Until when (loop time) a request may wait for the model's starting workers.
+
+        None when no worker of the model is starting. Never past the request's deadline.
+        """
+        beats = self.workers.live(entry.id)
+        for beat in beats:
+            if beat.startup_s is not None:
+                self._ready_s[entry.id] = beat.startup_s
+        measured = self._ready_s.get(entry.id)
+        expected = measured if measured is not None else entry.scaling.time_to_ready_s
+        until = hold_until(beats, expected)
+        if until is None:
+            return None
+        return min(deadline, now + (until - time.time()))
+
+    async def _requeue(self, call: Call) -> bool:
+        """Queue a call again once when its worker was lost before any output reached the client.
+
+        Its heartbeats stopped and nothing was sent, so another worker can serve it
+        as if the first had never taken it; it is billed once, when it ends
+        (``attempts`` 2).
+        """
+        if (
+            call.first_output_at is not None
+            or call.cancelled
+            or call.request.attempt >= 1
+            or call.worker_id is None
+        ):
+            return False
+        lost = call.worker_id
+        try:
+            await self.dispatcher.requeue(call)
+        except Exception as exc:
+            log.warning("queueing again failed: %s: %s", type(exc).__name__, str(exc))
+            return False
+        log.warning("worker lost before any output; queued again", extra={"worker_id": lost})
+        if self.metrics is not None:
+            self.metrics.retries.labels(call.request.model).inc()
+        return True
 
     def life(self, call: Call, prepared: Prepared) -> CallLife:
         """The owner of an accepted call until it ends (see lifecycle.py).
@@ -403,7 +516,11 @@ class OpenAIServing:
             ttft_s=_since(call.submitted_at, call.first_output_at),
             total_s=now - call.submitted_at,
             http_status=ending.status,
+            attempts=request.attempt + 1,
+            priority=request.priority,
         )
+        if call.started_at is not None:
+            self.drain_meter.served(request.model, now - call.started_at)
         # The event first: settling waits on the bus, and a shutdown that cuts
         # this task short must not cost the usage event.
         self._record(event)

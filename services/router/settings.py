@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -43,7 +44,20 @@ class RouterSettings(BaseSettings, HttpLimits):
     heartbeat_misses: int = Field(
         default=3, ge=1, description="Missed worker heartbeats before a worker counts as lost."
     )
-    retry_after_s: int = Field(default=5, ge=1, description="Retry-After on 503.")
+    retry_after_s: int = Field(
+        default=5, ge=1, description="Retry-After on 503 when no drain rate has been measured yet."
+    )
+    max_queued_per_model: int = Field(
+        default=1000,
+        ge=1,
+        description="Requests a model's queue may hold (all tenants); more are refused at "
+        "once with 503 and a Retry-After from the measured drain rate.",
+    )
+    tenant_weights: dict[str, Annotated[float, Field(gt=0, le=1000)]] = Field(
+        default_factory=dict,
+        description="Each tenant's share of a saturated model (JSON object, tenant -> "
+        "weight; unlisted tenants: 1).",
+    )
     outbox: Path | None = Field(
         default=None,
         description="Usage-event outbox (SQLite); <var>/outbox/router-<port>.db when unset.",

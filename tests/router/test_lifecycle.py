@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import nats.errors
 import orjson
 import pytest
 from aiohttp import web
@@ -50,6 +49,7 @@ from services.router.lifecycle import (
     error_outcome,
 )
 from services.router.settings import RouterSettings
+from services.worker.claims import WorkClaims
 from tests.conftest import NatsServer
 from tests.lib.net import free_port
 from tests.lib.streams import read_subject
@@ -130,16 +130,11 @@ class ScriptedWorker:
 
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel)
-        consumer = Topology(self.subjects).workers(MODEL)
-        sub = await self.nc.jetstream().pull_subscribe(
-            consumer.filter_subject,
-            durable=consumer.durable,
-            stream=consumer.stream,
-            config=consumer.config(ack_wait=30, max_ack_pending=-1),
-        )
+        await Topology(self.subjects).ensure_work(self.nc.jetstream())
+        claims = WorkClaims(self.nc, self.subjects, MODEL)
         await self._beat()
         self._beating = asyncio.create_task(self._beat_loop())
-        self._tasks.append(asyncio.create_task(self._pull_loop(sub)))
+        self._tasks.append(asyncio.create_task(self._pull_loop(claims)))
 
     def stop_heartbeats(self) -> None:
         """From now on the worker looks dead to the router."""
@@ -170,18 +165,17 @@ class ScriptedWorker:
             await asyncio.sleep(self.heartbeat_s)  # a heartbeat period, not a wait for an event
             await self._beat()
 
-    async def _pull_loop(self, sub: Any) -> None:
+    async def _pull_loop(self, claims: WorkClaims) -> None:
+        """Claims requests as a worker does (services.worker.claims), polling when idle."""
         while True:
-            try:
-                msgs = await sub.fetch(1, timeout=1.0)
-            except (TimeoutError, nats.errors.TimeoutError):
+            claimed = await claims.take()
+            if claimed is None:
+                await asyncio.sleep(0.02)  # a poll period: this double hears no arrivals
                 continue
-            for msg in msgs:
-                await msg.ack()
-                reply = Reply(self.nc, codec.decode(InferenceRequest, msg.data), self.worker_id)
-                self.replies[reply.request.request_id] = reply
-                self.taken.put_nowait(reply)
-                self._tasks.append(asyncio.create_task(self.script(reply)))
+            reply = Reply(self.nc, codec.decode(InferenceRequest, claimed.data), self.worker_id)
+            self.replies[reply.request.request_id] = reply
+            self.taken.put_nowait(reply)
+            self._tasks.append(asyncio.create_task(self.script(reply)))
 
     async def _on_cancel(self, msg: Any) -> None:
         cancel = codec.decode(CancelRequest, msg.data)

@@ -76,7 +76,7 @@ async def test_counters_and_histograms_match_the_requests_sent(
     model = {"model": SIM_MODEL}
     assert grew("tollgate_router_request_duration_seconds_count", **model) == 8
     assert grew("tollgate_router_time_to_first_token_seconds_count", **model) == 8
-    assert grew("tollgate_router_queue_wait_seconds_count", **model) == 8
+    assert grew("tollgate_router_queue_wait_seconds_count", **model, priority="interactive") == 8
     completion_tokens = {"model": SIM_MODEL, "kind": "completion"}
     assert grew("tollgate_router_tokens_total", **completion_tokens) == completion
     assert grew("tollgate_router_tokens_total", model=SIM_MODEL, kind="prompt") > 0
