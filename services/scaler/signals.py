@@ -103,9 +103,9 @@ class BusSignals:
 
     async def queued(self, model: str) -> int:
         """Requests in the model's work queue that no worker has taken yet."""
-        subject = self.subjects.infer(model)
+        lanes = self.subjects.infer_lanes(model)
         try:
-            info = await self.js.stream_info(self.subjects.infer_stream, subjects_filter=subject)
+            info = await self.js.stream_info(self.subjects.infer_stream, subjects_filter=lanes)
         except NotFoundError:
             return 0
-        return int((info.state.subjects or {}).get(subject, 0))
+        return int(sum((info.state.subjects or {}).values()))
