@@ -45,6 +45,7 @@ from services.auth.settings import AuthSettings
 from tollgate.app.busauth import Identities, private_dir, server_config
 from tollgate.keys.store import bootstrap
 from tollgate.keys.tokens import SigningKeySet, write_secret
+from tollgate.models.catalog import load_catalog
 from tollgate.runtime.procs import (
     INSTANCE_ENV,
     ProcessInfo,
@@ -397,13 +398,31 @@ class Stack:
             print(f"Another router: http://{self.host}:{port}/v1", file=out, flush=True)
         nc = await self._connect()
         pending = set(self.models)
+        starting: set[str] = set()
         done = asyncio.Event()
+        catalog = load_catalog(self.common.catalog)
 
         async def on_beat(msg: object) -> None:
             beat = codec.decode(WorkerHeartbeat, msg.data)  # type: ignore[attr-defined]
-            if beat.state is WorkerState.READY and beat.model in pending:
+            if beat.model not in pending:
+                return
+            if beat.state is WorkerState.STARTING and beat.model not in starting:
+                starting.add(beat.model)
+                entry = catalog.get(beat.model)
+                since = beat.started_at or time.time()
+                ready_at = since + entry.scaling.time_to_ready_s
+                print(
+                    f"Model {beat.model} is starting; expected ready in about "
+                    f"{max(0, ready_at - time.time()):.0f} s (by "
+                    f"{time.strftime('%H:%M:%S', time.localtime(ready_at))}). "
+                    "Calls sent meanwhile wait for it.",
+                    file=out,
+                    flush=True,
+                )
+            elif beat.state is WorkerState.READY:
                 pending.discard(beat.model)
-                print(f"Model {beat.model} is ready ({beat.engine}).", file=out, flush=True)
+                took = f" after {beat.startup_s:.0f} s" if beat.startup_s is not None else ""
+                print(f"Model {beat.model} is ready ({beat.engine}){took}.", file=out, flush=True)
                 if not pending:
                     done.set()
 

@@ -23,6 +23,9 @@ class SimulatedEngineConfig(BaseModel):
         default=48, ge=1, description="Tokens a reply has when max_tokens does not cut it."
     )
     max_num_seqs: int = Field(default=16, ge=1, description="Concurrent requests (slots).")
+    startup_s: float = Field(
+        default=0.0, ge=0, le=600, description="Seconds the engine takes to start (a slow load)."
+    )
 
 
 class Price(BaseModel):
