@@ -46,6 +46,10 @@ class _Clock:
 
     now: float = 0.0
     finish: dict[str, float] = field(default_factory=dict)
+    # the number of each member's latest grant: equal finish tags do not tell
+    # who was served longer ago (one back from idle starts at the others' finish)
+    last: dict[str, int] = field(default_factory=dict)
+    grants: int = 0
 
     def start(self, member: str) -> float:
         """The start tag ``member`` would get if served next."""
@@ -55,14 +59,17 @@ class _Clock:
         start = self.start(member)
         self.now = start
         self.finish[member] = start + 1.0 / weight
+        self.grants += 1
+        self.last[member] = self.grants
 
     def pick(self, members: list[str]) -> str:
-        # ties go to the member served longest ago (smaller finish), then by name
-        return min(members, key=lambda m: (self.start(m), self.finish.get(m, 0.0), m))
+        # ties go to the member served longest ago, then by name
+        return min(members, key=lambda m: (self.start(m), self.last.get(m, 0), m))
 
     def forget(self, keep: set[str]) -> None:
         if len(self.finish) > _KEPT:
             self.finish = {m: f for m, f in self.finish.items() if m in keep}
+            self.last = {m: n for m, n in self.last.items() if m in keep}
 
 
 class FairShare:

@@ -1,0 +1,303 @@
+"""Weighted fair share over a model's lanes: the scheduler alone, then claims on a real bus.
+
+:class:`FairShare` is pure (a backlog in, a lane out), so most of it is tested
+by feeding it backlogs and counting grants. :class:`WorkClaims` is tested
+against a real nats-server with Tollgate's identities: a router publishes,
+a worker claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from services.worker.claims import WorkClaims
+from services.worker.fairshare import FairShare
+from tests.conftest import NatsServer
+from tests.lib.net import free_port
+from tollgate.wire.subjects import Lane, Subjects
+from tollgate.wire.topology import Role, Topology
+
+S = Subjects()
+T = Topology(S)
+MODEL = "sim/fair-unit"
+
+
+def lane(tenant: str, key: str = "k1", cls: str = "interactive", model: str = MODEL) -> str:
+    return S.infer_lane(model, cls, tenant, key)
+
+
+def serve(share: FairShare, backlog: dict[str, int], n: int) -> list[str]:
+    """Grant ``n`` slots as a worker would: pick, take one from that lane, tell the share."""
+    granted = []
+    for _ in range(n):
+        subject = share.pick(backlog)
+        if subject is None:
+            break
+        backlog[subject] -= 1
+        share.took(subject)
+        granted.append(subject)
+    return granted
+
+
+def tenants(granted: list[str]) -> list[str]:
+    return [parsed.tenant for s in granted if (parsed := Lane.parse(s)) is not None]
+
+
+def longest_run(values: list[str]) -> int:
+    return max((len(list(run)) for _, run in itertools.groupby(values)), default=0)
+
+
+# -- FairShare ----------------------------------------------------------------
+
+
+def test_two_backlogged_tenants_alternate() -> None:
+    share = FairShare()
+    backlog = {lane("acme"): 50, lane("globex"): 50}
+    order = tenants(serve(share, backlog, 40))
+    assert len(order) == 40
+    assert all(a != b for a, b in itertools.pairwise(order)), order
+    assert Counter(order) == {"acme": 20, "globex": 20}
+
+
+def test_learned_weights_split_the_slots_three_to_one() -> None:
+    share = FairShare()
+    heavy, light = lane("heavy"), lane("light")
+    share.learn(heavy, tenant_weight=3.0, key_weight=1.0)
+    share.learn(light, tenant_weight=1.0, key_weight=1.0)
+    order = tenants(serve(share, {heavy: 1000, light: 1000}, 400))
+    assert Counter(order) == {"heavy": 300, "light": 100}
+    # the share holds at every scale, not only on the whole: each window of
+    # eight grants gives the light tenant two
+    for start in range(0, 400, 8):
+        assert order[start : start + 8].count("light") == 2, (start, order[start : start + 8])
+
+
+def test_a_tenant_weight_is_per_class() -> None:
+    share = FairShare()
+    heavy, light = lane("heavy", cls="batch"), lane("light", cls="batch")
+    share.learn(lane("heavy"), tenant_weight=3.0, key_weight=1.0)  # its interactive lane
+    order = tenants(serve(share, {heavy: 100, light: 100}, 40))
+    assert Counter(order) == {"heavy": 20, "light": 20}
+
+
+def test_interactive_lanes_go_before_batch_lanes() -> None:
+    share = FairShare()
+    batch = lane("bulk", cls="batch")
+    share.learn(batch, tenant_weight=100.0, key_weight=100.0)  # no weight buys its way ahead
+    backlog = {batch: 20, lane("acme"): 3, lane("globex", "k2"): 2, lane("bulk", "k9"): 1}
+    granted = serve(share, backlog, 6)
+    classes = [parsed.priority for s in granted if (parsed := Lane.parse(s)) is not None]
+    assert classes == ["interactive"] * 6, granted
+    # batch gets a slot only once no interactive request waits...
+    assert share.pick(backlog) == batch
+    assert serve(share, backlog, 2) == [batch, batch]
+    # ...and an interactive arrival goes first again at once
+    backlog[lane("acme")] = 1
+    assert share.pick(backlog) == lane("acme")
+
+
+def test_keys_of_a_tenant_share_by_key_weight() -> None:
+    share = FairShare()
+    big, small = lane("acme", "big"), lane("acme", "small")
+    share.learn(big, tenant_weight=1.0, key_weight=2.0)
+    share.learn(small, tenant_weight=1.0, key_weight=1.0)
+    granted = serve(share, {big: 1000, small: 1000}, 300)
+    assert Counter(granted) == {big: 200, small: 100}
+
+
+def test_key_weights_do_not_change_the_tenants_share() -> None:
+    share = FairShare()
+    many = [lane("acme", f"k{i}") for i in range(4)]
+    for subject in many:
+        share.learn(subject, tenant_weight=1.0, key_weight=5.0)
+    backlog = {subject: 100 for subject in many}
+    backlog[lane("globex")] = 100
+    order = tenants(serve(share, backlog, 200))
+    # four keys with weight 5 still make one tenant with weight 1
+    assert Counter(order) == {"acme": 100, "globex": 100}
+
+
+# the names' order decides ties last: both orders are checked
+NAMES = pytest.mark.parametrize("busy_name, back_name", [("busy", "back"), ("back", "busy")])
+
+
+@NAMES
+def test_a_tenant_back_from_idle_gets_its_share_and_no_burst(
+    busy_name: str, back_name: str
+) -> None:
+    share = FairShare()
+    busy, back = lane(busy_name), lane(back_name)
+    backlog = {busy: 1000, back: 1}
+    assert sorted(tenants(serve(share, backlog, 2))) == sorted([busy_name, back_name])
+    # the other idles while this one is served many times
+    assert set(serve(share, backlog, 300)) == {busy}
+    backlog[back] = 100
+    order = tenants(serve(share, backlog, 40))
+    # from now on it interleaves at its share (1:1), never owed the 300 it missed
+    assert longest_run(order) == 1, order
+    assert Counter(order) == {busy_name: 20, back_name: 20}
+
+
+@NAMES
+def test_a_new_tenant_starts_at_the_current_share(busy_name: str, back_name: str) -> None:
+    share = FairShare()
+    backlog = {lane(busy_name): 1000}
+    serve(share, backlog, 500)
+    backlog[lane(back_name)] = 1000
+    order = tenants(serve(share, backlog, 20))
+    assert longest_run(order) == 1, order
+    assert Counter(order)[back_name] == 10
+
+
+def test_lanes_without_requests_are_never_picked() -> None:
+    share = FairShare()
+    empty, waiting = lane("acme"), lane("globex")
+    share.learn(empty, tenant_weight=1000.0, key_weight=1000.0)
+    assert share.pick({}) is None
+    assert share.pick({empty: 0}) is None
+    assert share.pick({empty: -1}) is None
+    assert share.pick({lane("acme", cls="batch"): 0, empty: 0}) is None
+    assert serve(share, {empty: 0, waiting: 3}, 10) == [waiting] * 3
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        "",
+        "garbage",
+        "tg.usage.acme",
+        "tg.infer.model.interactive.acme",  # one token short
+        "tg.infer.model.interactive.acme.k1.extra",  # one too many
+        "tg.notinfer.model.interactive.acme.k1",
+    ],
+)
+def test_subjects_that_are_not_lanes_are_ignored(subject: str) -> None:
+    share = FairShare()
+    share.learn(subject, tenant_weight=50.0, key_weight=50.0)
+    share.took(subject)
+    assert share.pick({subject: 10}) is None
+    real = lane("acme")
+    assert share.pick({subject: 10, real: 1}) == real
+    # nothing it was told about the subject moved any clock
+    backlog = {lane("acme"): 10, lane("globex"): 10}
+    assert tenants(serve(share, backlog, 4)) == tenants(serve(FairShare(), dict(backlog), 4))
+
+
+# -- WorkClaims on a real nats-server ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(free_port(), tmp_path_factory.mktemp("claims"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def router(server: NatsServer) -> AsyncIterator[NATS]:
+    nc = await server.connect(Role.ROUTER, name="test-router")
+    await T.ensure_work(nc.jetstream())
+    yield nc
+    await nc.close()
+
+
+@pytest.fixture
+async def worker(server: NatsServer) -> AsyncIterator[NATS]:
+    nc = await server.connect(Role.WORKER, name="test-worker")
+    yield nc
+    await nc.close()
+
+
+async def publish(router: NATS, subjects: list[str]) -> list[bytes]:
+    """Publish one request per subject, in order; their bodies."""
+    js = router.jetstream()
+    bodies = []
+    for i, subject in enumerate(subjects):
+        body = f'{{"n": {i}}}'.encode()
+        await js.publish(subject, body)
+        bodies.append(body)
+    return bodies
+
+
+async def queued(server: NatsServer, model: str) -> int:
+    nc = await server.connect(name="test-count")
+    try:
+        info = await nc.jetstream().stream_info(
+            S.infer_stream, subjects_filter=S.infer_lanes(model)
+        )
+    finally:
+        await nc.close()
+    return sum((info.state.subjects or {}).values())
+
+
+async def test_claims_interleave_the_tenants_of_a_backlog(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    model = "sim/claims-fair"
+    a, b = lane("acme", model=model), lane("globex", model=model)
+    await publish(router, [a] * 5 + [b] * 5)  # all of acme's first
+    claims = WorkClaims(worker, S, model)
+    taken = [await claims.take() for _ in range(10)]
+    order = tenants([c.subject for c in taken if c is not None])
+    assert len(order) == 10
+    assert all(x != y for x, y in itertools.pairwise(order)), order
+    assert Counter(order) == {"acme": 5, "globex": 5}
+    assert await claims.take() is None
+    assert await queued(server, model) == 0
+
+
+async def test_claims_without_fair_share_take_the_oldest_first(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    model = "sim/claims-fifo"
+    a, b = lane("acme", model=model), lane("globex", model=model)
+    bodies = await publish(router, [a] * 5 + [b] * 5)
+    claims = WorkClaims(worker, S, model, fair=False)
+    taken = [await claims.take() for _ in range(10)]
+    assert [c.data for c in taken if c is not None] == bodies
+    assert [c.subject for c in taken if c is not None] == [a] * 5 + [b] * 5
+    assert await claims.take() is None
+    assert await queued(server, model) == 0
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["fair", "fifo"])
+async def test_two_workers_racing_claim_each_request_exactly_once(
+    router: NATS, server: NatsServer, fair: bool
+) -> None:
+    model = f"sim/claims-race-{'fair' if fair else 'fifo'}"
+    lanes = [lane(f"t{i % 5}", f"k{i % 2}", model=model) for i in range(50)]
+    bodies = await publish(router, lanes)
+    first = await server.connect(Role.WORKER, name="test-worker-1")
+    second = await server.connect(Role.WORKER, name="test-worker-2")
+
+    async def drain(claims: WorkClaims) -> list[bytes]:
+        got = []
+        while True:
+            claimed = await claims.take()
+            if claimed is not None:
+                got.append(claimed.data)
+                await asyncio.sleep(0)  # let the other worker in between claims
+                continue
+            # None may also mean "lost every race this time": done only when empty
+            if await queued(server, model) == 0:
+                return got
+            claims.arrived()
+
+    try:
+        one, two = await asyncio.gather(
+            drain(WorkClaims(first, S, model, fair=fair)),
+            drain(WorkClaims(second, S, model, fair=fair)),
+        )
+    finally:
+        await first.close()
+        await second.close()
+    assert sorted(one + two) == sorted(bodies)  # every request once, none twice
+    assert len(one) + len(two) == 50
+    assert one and two, (len(one), len(two))  # both really raced
