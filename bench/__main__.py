@@ -13,6 +13,8 @@
    worker's time-to-ready from ``s3://`` cold and warm, by part.
 6. Control plane: each control-plane handler on FastStream vs on plain
    nats.py (``bench/control_plane.py``).
+7. Fair share: a quiet tenant's latency beside a noisy one, first come
+   first served vs fair share (``bench/fairness.py``).
 
 Results go to docs/benchmarks.md (and bench/results/latest.json).
 """
@@ -312,7 +314,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests per point")
     parser.add_argument(
         "--only",
-        choices=["inference", "gateway", "bus", "metering", "scaler", "registry", "control"],
+        choices=[
+            "inference",
+            "gateway",
+            "bus",
+            "metering",
+            "scaler",
+            "registry",
+            "control",
+            "fairness",
+        ],
     )
     parser.add_argument(
         "--baseline",
@@ -375,6 +386,10 @@ def main() -> None:
                 "date": results["date"],
                 "command": "make bench" + (" (--quick)" if ns.quick else ""),
             }
+        if ns.only in (None, "fairness"):
+            from bench.fairness import bench_fairness
+
+            results["fairness"] = {**bench_fairness(work, env, ns.quick), "date": results["date"]}
         if ns.only in (None, "inference"):
             results["inference"] = {
                 **bench_inference(work, env, ns.quick),

@@ -494,15 +494,92 @@ def _soak(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _times(a: float, b: float) -> str:
+    return f"{a / b:.1f} times" if b else "n/a"
+
+
+def _fairness(r: dict[str, Any]) -> list[str]:
+    q, hop = r["quiet"], r["hop"]
+    lines = [
+        "## Fair share: a quiet tenant beside a noisy one, first come first served vs fair share",
+        "",
+        f"Measured {r.get('date', '')} with `python -m bench --only fairness`: nats-server with "
+        "Tollgate's identities and TLS, one router, and two simulated-engine workers (a test "
+        f"double: {r['slots']} slots, {r['tokens_per_s']} tokens/s, no time to first token), "
+        "each on its own model: one takes requests by fair share, the other oldest first "
+        "(`TOLLGATE_WORKER_FAIR_SHARE=false`). Only the model measured has load; the two "
+        f"alternate over {r['rounds']} round(s). The quiet tenant makes one streamed call at a "
+        f"time ({r['quiet_max_tokens']} tokens, about two seconds); the noisy tenant keeps "
+        f"{r['noisy_concurrency']} calls in flight (ten times the slots), of "
+        f"{r['noisy_max_tokens'][0]} to {r['noisy_max_tokens'][1]} tokens. TTFT is the quiet "
+        "call's first content delta at the client; queue wait is the router's own `queue_s` "
+        "of the call (published to the work queue until its worker starts it), read from the "
+        "router's log by the call's `x-request-id`.",
+        "",
+        "| quiet tenant | calls | TTFT p50 (ms) | TTFT p95 (ms) | queue wait p50 (ms) "
+        "| queue wait p95 (ms) | call p50 (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, label in (
+        ("alone_fair", "alone, fair share"),
+        ("alone_fifo", "alone, first come first served"),
+        ("noisy_fifo", "beside the noisy tenant, first come first served"),
+        ("noisy_fair", "beside the noisy tenant, fair share"),
+    ):
+        s = q[key]
+        lines.append(
+            f"| {label} | {s['requests']} | {s['ttft_p50_ms']:.0f} | {s['ttft_p95_ms']:.0f} | "
+            f"{s['queue_p50_ms']:.0f} | {s['queue_p95_ms']:.0f} | {s['latency_p50_ms']:.0f} |"
+        )
+    noisy = r["noisy"]
+    lines += [
+        "",
+        f"Beside the noisy tenant, the quiet tenant's TTFT p95 is "
+        f"{_times(q['noisy_fifo']['ttft_p95_ms'], q['alone_fifo']['ttft_p95_ms'])} its "
+        "own alone under first come first served and "
+        f"{_times(q['noisy_fair']['ttft_p95_ms'], q['alone_fair']['ttft_p95_ms'])} under "
+        "fair share. Under first come first served its call waits behind the whole noisy "
+        "backlog; under fair share only for the next slot to free, whatever the backlog. "
+        "Meanwhile the noisy tenant had "
+        f"{noisy['fifo']['answered_per_s']:.1f} calls/s answered under first come first served "
+        f"and {noisy['fair']['answered_per_s']:.1f} under fair share (one slot of "
+        f"{r['slots']} is the quiet tenant's while its call runs); refused calls: "
+        f"{noisy['fifo']['refused']} and {noisy['fair']['refused']}.",
+        "",
+        "The price of fair share when there is nothing to share: the quiet tenant alone, one "
+        "non-streamed one-token call at a time (a worker with fair share reads the lanes' "
+        "counts before it claims, one more request to NATS):",
+        "",
+        "| | calls | latency p50 (ms) | latency p99 (ms) |",
+        "|---|---|---|---|",
+    ]
+    for key, label in (("fair", "fair share on"), ("fifo", "fair share off")):
+        h = hop[key]
+        lines.append(
+            f"| {label} | {h['requests']} | {h['latency_p50_ms']:.2f} | {h['latency_p99_ms']:.2f} |"
+        )
+    lines += [
+        "",
+        f"p50 ratio on / off: {hop['p50_ratio_on_off']:.3f}.",
+        "",
+        "The engine here is a test double on the CPU and the load generator shares the "
+        "machine's cores: the figures show how the queue is ordered, not what a GPU serves. On "
+        "a GPU the engine's own time (prefill, decoding) dominates a call, and the hop's few "
+        "milliseconds matter less still.",
+        "",
+    ]
+    return lines
+
+
 def write_report(results: dict[str, Any], path: Path) -> None:
     lines = [
         "# Benchmarks",
         "",
         "Every figure below comes from `make bench` (`python -m bench`; `--only gateway`,",
         "`--only bus`, `--only inference`, `--only metering`, `--only scaler`,",
-        "`--only registry` or `--only control` reruns one part), with each system and its",
-        "baseline measured side by side in the same run. Performance is never asserted in the",
-        "test suite; it is measured here.",
+        "`--only registry`, `--only control` or `--only fairness` reruns one part), with each",
+        "system and its baseline measured side by side in the same run. Performance is never",
+        "asserted in the test suite; it is measured here.",
         "",
         f"- Machine: {results['machine']}",
         f"- Command: `{results['command']}`",
@@ -528,6 +605,7 @@ _PARTS = {
     "scaler": _scaler,
     "registry": _registry,
     "control": _control,
+    "fairness": _fairness,
     "soak": _soak,
 }
 _PART_TITLES = {
@@ -538,6 +616,7 @@ _PART_TITLES = {
     "scaler": ("Scaler",),
     "registry": ("Model registry",),
     "control": ("Control plane",),
+    "fairness": ("Fair share",),
     "soak": ("Soak",),
 }
 
