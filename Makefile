@@ -49,8 +49,10 @@ S3BENCH := $(VENV)/s3rver/node_modules/.bin/s3rver
 $(S3BENCH):
 	npm install --prefix $(VENV)/s3rver --silent --no-audit --no-fund s3rver@3.7.1
 
+# ARGS: passed to the benchmark, e.g. make bench ARGS="--only fairness --quick"
+ARGS ?=
 bench: $(STAMP) $(S3TEST) $(S3BENCH)
-	$(PY) -m bench
+	$(PY) -m bench $(ARGS)
 
 # The soak (bench/soak.py): `tollgate up` with two routers and four simulated
 # workers under steady load while faults arrive one after another; it stops by
