@@ -78,14 +78,6 @@ def test_learned_weights_split_the_slots_three_to_one() -> None:
         assert order[start : start + 8].count("light") == 2, (start, order[start : start + 8])
 
 
-def test_a_tenant_weight_is_per_class() -> None:
-    share = FairShare()
-    heavy, light = lane("heavy", cls="batch"), lane("light", cls="batch")
-    share.learn(lane("heavy"), tenant_weight=3.0, key_weight=1.0)  # its interactive lane
-    order = tenants(serve(share, {heavy: 100, light: 100}, 40))
-    assert Counter(order) == {"heavy": 20, "light": 20}
-
-
 def test_interactive_lanes_go_before_batch_lanes() -> None:
     share = FairShare()
     batch = lane("bulk", cls="batch")
