@@ -195,15 +195,15 @@ class Dispatcher:
             raise
         call.seq = ack.seq
         self._unstarted.setdefault(request.model, {})[call.token] = time.monotonic()
-        await self._announce(request)
+        await self._announce(request, subject)
 
-    async def _announce(self, request: InferenceRequest) -> None:
+    async def _announce(self, request: InferenceRequest, lane: str) -> None:
         """Tell the scaler and the model's idle workers that a request waits (no body).
 
         Sent once the request is in the queue, so a worker woken by it finds it.
         """
         arrival = Arrival(
-            request_id=request.request_id, model=request.model, at=request.enqueued_at
+            request_id=request.request_id, model=request.model, at=request.enqueued_at, lane=lane
         )
         try:
             await self.nc.publish(self.subjects.arrivals(request.model), codec.encode(arrival))

@@ -3,9 +3,10 @@
 The work queue (one JetStream stream, work-queue retention, no consumers)
 holds each request under its lane's subject. A worker with a free slot:
 
-1. reads how many requests wait in each lane of its model (the stream's
-   per-subject counts, refreshed when a router announces an arrival and at
-   least every second);
+1. knows how many requests wait in each lane of its model: the stream's
+   per-subject counts, read at least every second and after a lost race,
+   plus one for each arrival a router announces in a lane since (so a worker
+   that keeps up takes each request without reading the counts again);
 2. picks a lane by fair share (:class:`~services.worker.fairshare.FairShare`),
    or, with fair share off, takes the model's oldest request whatever its
    lane (first come, first served);
@@ -62,16 +63,24 @@ class WorkClaims:
         self._backlog: dict[str, int] = {}
         self._read_at = 0.0
         self._stale = True
+        self._prefix = self.lanes[:-1]  # "tg.infer.<model>."
+        # True when the last take gave up after losing every race to other
+        # workers: requests still wait
+        self.contended = False
 
-    def arrived(self) -> None:
-        """A router announced a request for this model: the counts are out of date."""
-        self._stale = True
+    def arrived(self, lane: str | None = None) -> None:
+        """A router announced a request for this model, in ``lane`` when it says."""
+        if lane is not None and lane.startswith(self._prefix):
+            self._backlog[lane] = self._backlog.get(lane, 0) + 1
+        else:
+            self._stale = True
 
     async def take(self) -> Claimed | None:
         """The next request for this worker; None when the model's lanes are empty."""
+        self.contended = False
         for _ in range(_TRIES):
             if self.fair:
-                if self._stale or not self._backlog or self._age() > REFRESH_EVERY_S:
+                if self._stale or self._age() > REFRESH_EVERY_S:
                     await self._read_backlog()
                 subject = self.share.pick(self._backlog)
                 if subject is None:
@@ -86,6 +95,7 @@ class WorkClaims:
                 continue
             seq, claimed = got
             if not await self._delete(seq):
+                self._stale = True  # other workers are taking from these lanes
                 continue  # another worker had it first
             if self.fair:
                 left = self._backlog.get(claimed.subject, 1) - 1
@@ -95,6 +105,7 @@ class WorkClaims:
                     self._backlog.pop(claimed.subject, None)
                 self.share.took(claimed.subject)
             return claimed
+        self.contended = True
         return None
 
     def _age(self) -> float:

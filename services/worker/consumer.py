@@ -35,6 +35,7 @@ from tollgate.runtime.logs import request_id_var
 from tollgate.wire import codec
 from tollgate.wire.contracts import (
     ENGINE_PRIORITY,
+    Arrival,
     CancelRequest,
     ChunkKind,
     InferenceRequest,
@@ -262,7 +263,11 @@ class WorkerConsumer:
     # -- the pull loop -----------------------------------------------------
 
     async def _on_arrival(self, msg: Msg) -> None:
-        self.claims.arrived()
+        try:
+            lane = codec.decode(Arrival, msg.data).lane
+        except Exception:
+            lane = None
+        self.claims.arrived(lane)
         self._arrival.set()
 
     async def _pull_loop(self) -> None:
@@ -284,6 +289,8 @@ class WorkerConsumer:
                     async with asyncio.timeout(0.5):
                         await self._stopping.wait()
                 continue
+            if claimed is None and self.claims.contended:
+                continue  # other workers won every race: requests still wait
             if claimed is None:
                 # Nothing waits: sleep until a router announces a request (or a
                 # second passes: an announcement can be lost).

@@ -168,9 +168,10 @@ class ScriptedWorker:
     async def _pull_loop(self, claims: WorkClaims) -> None:
         """Claims requests as a worker does (services.worker.claims), polling when idle."""
         while True:
+            claims.arrived()  # this double hears no arrivals: it reads the counts each time
             claimed = await claims.take()
             if claimed is None:
-                await asyncio.sleep(0.02)  # a poll period: this double hears no arrivals
+                await asyncio.sleep(0.02)  # a poll period
                 continue
             reply = Reply(self.nc, codec.decode(InferenceRequest, claimed.data), self.worker_id)
             self.replies[reply.request.request_id] = reply

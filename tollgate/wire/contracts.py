@@ -77,6 +77,9 @@ class Arrival(_Contract):
     request_id: str = Field(description="The request that arrived.")
     model: str = Field(description="Canonical model id.")
     at: float = Field(description="Unix time the router queued it.")
+    lane: str | None = Field(
+        default=None, description="The work-queue subject it waits on (its lane)."
+    )
 
 
 class ChunkKind(StrEnum):
