@@ -427,13 +427,12 @@ class OpenAIServing:
 
         None when no worker of the model is starting. Never past the request's deadline.
         """
-        beats = self.workers.live(entry.id)
-        for beat in beats:
+        for beat in self.workers.live(entry.id):
             if beat.startup_s is not None:
                 self._ready_s[entry.id] = beat.startup_s
         measured = self._ready_s.get(entry.id)
         expected = measured if measured is not None else entry.scaling.time_to_ready_s
-        until = hold_until(beats, expected)
+        until = hold_until(self.workers.starting(entry.id), expected)
         if until is None:
             return None
         return min(deadline, now + (until - time.time()))

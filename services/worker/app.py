@@ -15,7 +15,7 @@ from pathlib import Path
 from aiohttp import web
 
 from services.worker.consumer import WorkerConsumer
-from services.worker.engine import Engine, ErrorResult
+from services.worker.engine import Engine, ErrorResult, LoadingEngine
 from services.worker.lifetime import StartInterrupted, kill_engine_processes
 from services.worker.metrics import WorkerMetrics, create_http_app
 from services.worker.settings import WorkerSettings
@@ -159,19 +159,25 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     if entry.cache == "none":
         common.model_cache_dir.mkdir(parents=True, exist_ok=True)
         private = Path(tempfile.mkdtemp(prefix=".worker-", dir=common.model_cache_dir))
+    # Announced (state starting) before the weights and the engine load, so
+    # routers hold calls for this worker and know since when it starts.
+    metrics = WorkerMetrics()
+    loading = LoadingEngine(entry.engine, common.model_cache_dir)
+    consumer = WorkerConsumer(nc, loading, settings, common.subjects, entry.id, metrics)
+    consumer.started_at = time.time() - (time.monotonic() - born)
+    metrics.watch(consumer.heartbeat)
+    await consumer.announce()
     # In a thread: a long download must not stall NATS pings and heartbeats.
     try:
         engine = await asyncio.to_thread(create_engine, entry, common, parts, private)
     except BaseException:
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
+        await consumer.drain()
         raise
+    consumer.engine = engine
     # the cached weights stay ours while we run: eviction and `models rm` skip them
     lease = hold_entry(engine.model_path)
-    metrics = WorkerMetrics()
-    consumer = WorkerConsumer(nc, engine, settings, common.subjects, entry.id, metrics)
-    consumer.started_at = time.time() - (time.monotonic() - born)
-    metrics.watch(consumer.heartbeat)
 
     async def drain() -> None:
         consumer.stopped.set()  # run_worker drains; answer once nothing is in flight
@@ -183,7 +189,6 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
         app = create_http_app(metrics, lambda: consumer.state, drain)
         # the same HTTP layer as every service (client bounds, no echoed bytes)
         http = await httpserver.start(app, settings.host, settings.port, limits=HttpLimits())
-    await consumer.announce()
     try:
         if not await start_or_stop(engine, entry, parts, stop):
             log.info("stopped while the engine was starting", extra={"model": entry.id})

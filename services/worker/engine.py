@@ -94,3 +94,30 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+
+class LoadingEngine:
+    """What a worker heartbeats with while its weights and engine load: no slots yet.
+
+    The worker announces itself (state ``starting``, with its process start)
+    before the slow part, so routers can hold calls for it and the scaler
+    counts it; the real engine replaces this one once it is built.
+    """
+
+    slots_total = 0
+
+    def __init__(self, name: str, model_path: Path) -> None:
+        self.name = name
+        self.model_path = model_path
+
+    async def start(self) -> None:
+        raise RuntimeError("the engine is still loading")
+
+    async def stop(self) -> None:
+        return None
+
+    async def run(self, endpoint: Endpoint, body: dict[str, Any], request_id: str) -> EngineResult:
+        raise RuntimeError("the engine is still loading")
+
+    def stats(self) -> EngineStats:
+        return EngineStats()

@@ -126,3 +126,17 @@ async def test_the_view_follows_heartbeats_on_the_bus(nats_server: NatsServer) -
         assert got.empty() and view.get("a2") is None
     finally:
         await nc.close()
+
+
+def test_a_starting_worker_stays_known_through_a_silence_longer_than_its_window() -> None:
+    clock = Clock()
+    view = WorkerView(misses=3, clock=clock)
+    view.observe(beat("w1", state=WorkerState.STARTING, interval_s=1.0))
+    view.observe(beat("w2", model="org/b", state=WorkerState.STARTING, interval_s=1.0))
+    clock.now += 10  # an engine import held the worker's interpreter: no beat for 10 s
+    assert view.live("org/a") == []  # lost for serving calls
+    assert [b.worker_id for b in view.starting("org/a")] == ["w1"]  # still on its way
+    view.observe(beat("w1", state=WorkerState.READY, interval_s=1.0))
+    assert view.starting("org/a") == []  # ready: no longer starting
+    clock.now += 31
+    assert view.starting("org/b") == []  # silent past the bound: forgotten

@@ -63,6 +63,10 @@ class WorkerView:
         self.on_beat = on_beat
         self.clock = clock
         self._workers: dict[str, SeenWorker] = {}
+        # Workers that said they are starting, kept apart: a worker loading its
+        # engine can fall silent for seconds (imports that hold the interpreter)
+        # and still be on its way.
+        self._starting: dict[str, SeenWorker] = {}
         self._subscription: Subscription | None = None
 
     async def start(self, nc: NATS, subjects: Subjects) -> None:
@@ -87,6 +91,10 @@ class WorkerView:
             self._workers.pop(beat.worker_id, None)
         else:
             self._workers[beat.worker_id] = SeenWorker(beat, self.clock())
+        if beat.state is WorkerState.STARTING:
+            self._starting[beat.worker_id] = SeenWorker(beat, self.clock())
+        else:
+            self._starting.pop(beat.worker_id, None)
         if self.on_beat is not None:
             self.on_beat(beat)
 
@@ -114,3 +122,11 @@ class WorkerView:
             for seen in self._workers.values()
             if model is None or seen.beat.model == model
         ]
+
+    def starting(self, model: str, within_s: float = 30.0) -> list[WorkerHeartbeat]:
+        """Latest beats of the model's workers that are starting, heard from within ``within_s``."""
+        now = self.clock()
+        gone = [wid for wid, seen in self._starting.items() if now - seen.seen_at > within_s]
+        for wid in gone:
+            del self._starting[wid]
+        return [seen.beat for seen in self._starting.values() if seen.beat.model == model]
