@@ -547,8 +547,9 @@ def _fairness(r: dict[str, Any]) -> list[str]:
         f"{noisy['fifo']['refused']} and {noisy['fair']['refused']}.",
         "",
         "The price of fair share when there is nothing to share: the quiet tenant alone, one "
-        "non-streamed one-token call at a time (a worker with fair share reads the lanes' "
-        "counts before it claims, one more request to NATS):",
+        "non-streamed one-token call at a time (a worker with fair share picks a lane from "
+        "counts it keeps from the routers' arrivals, read again from NATS every second, "
+        "then claims as a worker without fair share does):",
         "",
         "| | calls | latency p50 (ms) | latency p99 (ms) |",
         "|---|---|---|---|",
