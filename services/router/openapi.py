@@ -190,17 +190,23 @@ def _call_answers(
             **{"x-request-id": REQUEST_ID},
         ),
         **auth,
+        403: _error(
+            "A batch key's call chose `interactive` with `X-Tollgate-Priority` without the "
+            "key's `priority_header` (`permission_denied`)."
+        ),
         404: _error("No such model, or the key may not use it (`model_not_found`)."),
         413: _error("The body is larger than TOLLGATE_ROUTER_MAX_BODY_BYTES."),
         415: _error("The Content-Type is not JSON, or the Content-Encoding is unsupported."),
         429: _error(
-            "Over the key's requests or tokens per minute (`rate_limit_exceeded`), or its "
-            "token budget is spent (`insufficient_quota`).",
+            "Over the key's requests or tokens per minute (`rate_limit_exceeded`), at its "
+            "`max_concurrent` calls in flight (`concurrency_limit_exceeded`), or its token "
+            "budget is spent (`insufficient_quota`).",
             **{"Retry-After": RETRY_AFTER, **RATE_LIMITS},
         ),
         502: _error("The worker serving the request stopped before it ended (`worker_lost`)."),
         503: _error(
-            "No capacity (`no_capacity`), or the key whitelist is stale (`whitelist_stale`).",
+            "No capacity (`no_capacity`), the model's queue is full (`model_overloaded`), or "
+            "the key whitelist is stale (`whitelist_stale`).",
             **{"Retry-After": RETRY_AFTER},
         ),
         504: _error("The request ran past TOLLGATE_ROUTER_REQUEST_TIMEOUT_S."),
@@ -238,7 +244,9 @@ def router_api(auth: bool = True) -> Api:
             _call_answers(ChatCompletion, ChatCompletionChunk, unauthorized),
             body=ChatCompletionBody,
             description=f"{EDGE_RULES} The request waits in the model's queue until a worker "
-            "has a free slot (at most TOLLGATE_ROUTER_QUEUE_TIMEOUT_S, then 503).",
+            "has a free slot (at most TOLLGATE_ROUTER_QUEUE_TIMEOUT_S, then 503; longer while "
+            "a worker for the model is starting). `X-Tollgate-Priority: interactive|batch` "
+            "chooses its class.",
         ),
         Operation(
             "POST",
