@@ -287,7 +287,7 @@ class OpenAIServing:
     ) -> Call:
         now = time.time()
         tenant = principal.tenant if principal else None
-        key_weight = float(getattr(principal.record, "weight", 1.0)) if principal else 1.0
+        key_weight = principal.record.weight if principal else 1.0
         request = InferenceRequest(
             request_id=request_id,
             model=prepared.entry.id,
