@@ -403,3 +403,51 @@ async def test_the_reference_agrees_with_the_served_document(
         written_schema = reference_schemas.get(reference_name)
         assert set(generated_schema["properties"]) <= set(written_schema["properties"])
         assert set(generated_schema["required"]) == set(written_schema["required"])
+
+
+def _stream_event_check(doc: dict[str, Any], path: str) -> Any:
+    """Schemathesis's own validator of one server-sent event of ``path``'s 200 stream."""
+    import jsonschema_rs
+    from schemathesis.specs.openapi.content_keywords import SseValidator
+
+    def inline(node: Any) -> Any:  # the event schema with its references resolved
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(doc["components"]["schemas"][node["$ref"].rsplit("/", 1)[-1]])
+            return {key: inline(value) for key, value in node.items()}
+        return [inline(item) for item in node] if isinstance(node, list) else node
+
+    answer = doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    schema = inline(answer["schema"])
+    validator = SseValidator(schema, jsonschema_rs.Draft202012Validator)
+
+    def check(data: str) -> str | None:
+        with validator.with_deserializer(lambda _media, payload: orjson.loads(payload)):
+            try:
+                validator.validate({"data": data, "event": "message"})
+            except jsonschema_rs.ValidationError as exc:
+                return str(exc).splitlines()[0]
+        return None
+
+    return check
+
+
+async def test_a_stream_s_events_and_its_done_match_the_document(tmp_path: Path) -> None:
+    doc, _ = await served(router_app(tmp_path))
+    chunk = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": "T"}, "finish_reason": None}],
+    }
+    error = {"error": {"message": "m", "type": "server_error", "param": None, "code": None}}
+    check = _stream_event_check(doc, "/v1/chat/completions")
+    assert check(orjson.dumps(chunk).decode()) is None
+    assert check(orjson.dumps(error).decode()) is None
+    assert check("[DONE]") is None
+    assert check("[DONE") is not None
+    assert check('{"object": "chat.completion.chunk"}') is not None
+    completions = _stream_event_check(doc, "/v1/completions")
+    assert completions("[DONE]") is None
+    assert completions(orjson.dumps(chunk).decode()) is not None

@@ -226,9 +226,12 @@ def sse_event_schema(
             "data": {
                 "type": "string",
                 "description": "The event's JSON, or `[DONE]` after the last one.",
-                "contentMediaType": "application/json",
-                "contentSchema": {
-                    "anyOf": [dict(data), {"$ref": REF_TEMPLATE.format(model="Error")}]
+                "if": {"const": "[DONE]"},
+                "else": {
+                    "contentMediaType": "application/json",
+                    "contentSchema": {
+                        "anyOf": [dict(data), {"$ref": REF_TEMPLATE.format(model="Error")}]
+                    },
                 },
             },
             "event": {"type": "string"},
