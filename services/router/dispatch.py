@@ -50,6 +50,7 @@ class Call:
         "cancelled",
         "captured",
         "delivered",
+        "direct_to",
         "first_output_at",
         "queue",
         "request",
@@ -68,6 +69,8 @@ class Call:
         self.seq: int | None = None  # its message in the work queue, once published
         self.queue: asyncio.Queue[ResponseChunk] = asyncio.Queue()
         self.worker_id: str | None = None
+        # the worker whose direct lane it was sent to (cache-aware routing), if any
+        self.direct_to: str | None = None
         self.cancelled = False
         self.submitted_at = time.monotonic()
         self.started_at: float | None = None
@@ -92,6 +95,10 @@ class Dispatcher:
         self._waiting: dict[str, tuple[float, int]] = {}  # model -> (read at, count)
         # this router's calls no worker has taken yet: model -> token -> published at
         self._unstarted: dict[str, dict[str, float]] = {}
+        # calls sent to a worker's direct lane, not started yet: worker -> tokens
+        self._direct: dict[str, set[str]] = {}
+        # when this router's calls started on each worker, recent ones (monotonic)
+        self._starts: dict[str, list[float]] = {}
 
     async def start(self, model_ids: Iterable[str], body_limit: int | None = None) -> None:
         """Create the work queue and each model's worker consumer, then take chunks.
@@ -134,15 +141,42 @@ class Dispatcher:
             with contextlib.suppress(Exception):  # not acknowledged: the worker keeps it
                 await msg.respond(b"")
 
-    async def submit(self, request: InferenceRequest) -> Call:
-        """Register the call, then publish it to its lane of the model's work queue."""
+    async def submit(self, request: InferenceRequest, worker_id: str | None = None) -> Call:
+        """Register the call, then publish it to its lane of the model's work queue.
+
+        With ``worker_id``, to that worker's direct lane (cache-aware routing).
+        """
         call = Call(request)
+        call.direct_to = worker_id
         await self._publish(call)
         return call
 
     def started(self, call: Call) -> None:
         """A worker took the call: it no longer waits in the queue."""
-        self._unstarted.get(call.request.model, {}).pop(call.token, None)
+        first = self._unstarted.get(call.request.model, {}).pop(call.token, None) is not None
+        if call.direct_to is not None:
+            waiting = self._direct.get(call.direct_to)
+            if waiting is not None:
+                waiting.discard(call.token)
+                if not waiting:
+                    del self._direct[call.direct_to]
+        if first and call.worker_id is not None and call.started_at is not None:
+            starts = self._starts.setdefault(call.worker_id, [])
+            starts.append(call.started_at)
+            if len(starts) > 1024:
+                del starts[:512]
+
+    def load_since(self, worker_id: str, since: float) -> int:
+        """This router's calls a heartbeat received at ``since`` cannot count for ``worker_id``.
+
+        Those sent to its direct lane and not started, and those started on it since.
+        """
+        starts = self._starts.get(worker_id)
+        if starts:
+            starts[:] = [at for at in starts if at > since]
+            if not starts:
+                del self._starts[worker_id]
+        return len(self._direct.get(worker_id, ())) + (len(starts) if starts else 0)
 
     async def requeue(self, call: Call) -> None:
         """Queue a call again for another worker (its worker was lost before any output).
@@ -152,6 +186,7 @@ class Dispatcher:
         """
         self._calls.pop(call.token, None)
         self.started(call)
+        call.direct_to = None  # to the shared queue: any worker
         attempt = call.request.attempt + 1
         call.token = f"{call.request.request_id}~{attempt}"
         call.request = call.request.model_copy(
@@ -174,7 +209,11 @@ class Dispatcher:
             )
         self._calls[call.token] = call
         subject = self.subjects.infer_lane(
-            request.model, request.priority.value, request.tenant or "anonymous", request.key_id
+            request.model,
+            request.priority.value,
+            request.tenant or "anonymous",
+            request.key_id,
+            call.direct_to,
         )
         msg_id = call.token
         headers = tracing.inject({"Nats-Msg-Id": msg_id, "Tollgate-Request-Id": request.request_id})
@@ -195,6 +234,8 @@ class Dispatcher:
             raise
         call.seq = ack.seq
         self._unstarted.setdefault(request.model, {})[call.token] = time.monotonic()
+        if call.direct_to is not None:
+            self._direct.setdefault(call.direct_to, set()).add(call.token)
         await self._announce(request, subject)
 
     async def _announce(self, request: InferenceRequest, lane: str) -> None:

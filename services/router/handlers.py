@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from services.router.affinity import SESSION_HEADER
 from services.router.appkeys import (
     CATALOG,
     KEYS,
@@ -168,7 +169,12 @@ async def _serve_call(
             principal.record if principal else None, request.headers.get(PRIORITY_HEADER)
         )
         call = await serving.submit(
-            prepared, request_id, principal, capture=not replayed, priority=priority
+            prepared,
+            request_id,
+            principal,
+            capture=not replayed,
+            priority=priority,
+            session=request.headers.get(SESSION_HEADER),
         )
     except TollgateError as exc:
         if span is not None:

@@ -61,6 +61,14 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        self.affinity = Counter(
+            "tollgate_router_affinity",
+            "Where cache-aware routing sent requests: direct (the worker their prompt's opening "
+            "or session picks), or the shared queue and why (shared_full, shared_no_worker, "
+            "shared_no_key, shared_off).",
+            ["model", "decision"],
+            registry=r,
+        )
         self.cold_start_hold = Histogram(
             "tollgate_router_cold_start_hold_seconds",
             "How long requests waited past the queue timeout for a worker that was starting.",

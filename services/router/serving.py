@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from services.router.affinity import Affinity, affinity_key
 from services.router.auth import Principal
 from services.router.capture import Capturer
 from services.router.dispatch import Call, Dispatcher, QueueFull
@@ -138,6 +139,12 @@ class OpenAIServing:
         self.metrics = metrics
         self._finishing: set[asyncio.Task[None]] = set()
         self.drain_meter = DrainMeter()
+        self.affinity = Affinity(
+            workers,
+            enabled=settings.affinity == "prefix",
+            load=settings.affinity_load,
+            mine=self._mine,
+        )
         self._ready_s: dict[str, float] = {}  # model -> latest measured time to ready
 
     def parse(self, endpoint: Endpoint, raw: bytes) -> Prepared:
@@ -186,8 +193,13 @@ class OpenAIServing:
         principal: Principal | None,
         capture: bool = True,
         priority: Priority = Priority.INTERACTIVE,
+        session: str | None = None,
     ) -> Call:
-        """Check the model's queue has room, reserve the key's limits, then queue the request."""
+        """Check the model's queue has room, reserve the key's limits, then queue the request.
+
+        ``session`` (the ``X-Tollgate-Session`` header) keeps a conversation on
+        one worker (:mod:`services.router.affinity`).
+        """
         await self._check_room(prepared.entry.id)
         reservation = None
         if principal is not None and self.limiter is not None and principal.record.limited:
@@ -214,7 +226,7 @@ class OpenAIServing:
                     headers={"Retry-After": str(self.settings.retry_after_s)},
                 ) from None
         try:
-            call = await self._dispatch(prepared, request_id, principal, priority)
+            call = await self._dispatch(prepared, request_id, principal, priority, session)
         except BaseException as exc:
             if reservation is not None and self.limiter is not None:
                 await self.limiter.settle(reservation, 0)
@@ -284,6 +296,7 @@ class OpenAIServing:
         request_id: str,
         principal: Principal | None,
         priority: Priority = Priority.INTERACTIVE,
+        session: str | None = None,
     ) -> Call:
         now = time.time()
         tenant = principal.tenant if principal else None
@@ -306,8 +319,14 @@ class OpenAIServing:
             tenant_weight=self.settings.tenant_weights.get(tenant or "anonymous", 1.0),
             key_weight=key_weight,
         )
+        key = affinity_key(
+            prepared.endpoint, prepared.body, session, self.settings.affinity_prefix_chars
+        )
+        worker_id, decision = self.affinity.choose(prepared.entry.id, key)
+        if self.metrics is not None:
+            self.metrics.affinity.labels(prepared.entry.id, decision).inc()
         try:
-            return await self.dispatcher.submit(request)
+            return await self.dispatcher.submit(request, worker_id)
         except TollgateError:
             raise
         except QueueFull:
@@ -316,6 +335,11 @@ class OpenAIServing:
             # str(exc): a log record kept by a handler must not hold the call's frames
             log.warning("dispatch failed: %s: %s", type(exc).__name__, str(exc))
             raise self._unavailable("The model's queue cannot be reached. Please retry.") from None
+
+    def _mine(self, worker_id: str) -> int:
+        """This router's calls on ``worker_id`` that its latest heartbeat cannot count."""
+        seen = self.workers.get(worker_id)
+        return self.dispatcher.load_since(worker_id, seen.seen_at if seen else 0.0)
 
     def _unavailable(self, message: str) -> ServiceUnavailable:
         return ServiceUnavailable(

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -57,6 +57,25 @@ class RouterSettings(BaseSettings, HttpLimits):
         default_factory=dict,
         description="Each tenant's share of a saturated model (JSON object, tenant -> "
         "weight; unlisted tenants: 1).",
+    )
+    affinity: Literal["prefix", "off"] = Field(
+        default="prefix",
+        description="Cache-aware routing: 'prefix' sends a request to the worker its prompt's "
+        "opening (or its X-Tollgate-Session header, or its body's user field) hashes to, while "
+        "that worker has room; 'off': every request to the model's shared queue.",
+    )
+    affinity_prefix_chars: int = Field(
+        default=2048,
+        ge=1,
+        description="How much of a prompt's opening (its messages up to the first user "
+        "message, or the prompt) picks its worker, in characters.",
+    )
+    affinity_load: float = Field(
+        default=1.0,
+        gt=0,
+        le=4,
+        description="A worker gets direct requests while its requests (running, and sent to it "
+        "and not yet started) stay below its slots times this.",
     )
     outbox: Path | None = Field(
         default=None,

@@ -1,15 +1,22 @@
 """How a worker takes requests from its model's lanes in the work queue.
 
 The work queue (one JetStream stream, work-queue retention, no consumers)
-holds each request under its lane's subject. A worker with a free slot:
+holds each request under its lane's subject: a shared lane per class, tenant
+and key, and beside it each worker's direct lanes, where cache-aware routing
+puts a request for the worker that likely holds its prompt's prefix. A
+worker with a free slot:
 
 1. knows how many requests wait in each lane of its model: the stream's
    per-subject counts, read at least every second and after a lost race,
    plus one for each arrival a router announces in a lane since (so a worker
    that keeps up takes each request without reading the counts again);
 2. picks a lane by fair share (:class:`~services.worker.fairshare.FairShare`),
-   or, with fair share off, takes the model's oldest request whatever its
-   lane (first come, first served);
+   counting a direct lane under its shared lane's class, tenant and key, or,
+   with fair share off, takes the oldest request whatever its lane (first
+   come, first served). Either way it takes from its own direct lane before
+   the shared one, and from another worker's direct lane only once the
+   request there has waited ``spill_after_s`` (that worker is busy, draining
+   or gone: the request spills to every worker);
 3. reads that lane's oldest request (a direct get) and deletes it. The
    delete is the claim: of several workers that read the same request, the
    one whose delete succeeds runs it; the others read the next one.
@@ -24,18 +31,22 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import orjson
 from nats.aio.client import Client as NATS
 
 from services.worker.fairshare import FairShare
-from tollgate.wire.subjects import Subjects
+from tollgate.wire.subjects import Lane, Subjects, model_token
 
 log = logging.getLogger("tollgate.worker.claims")
 
 # How old the lanes' counts may get before they are read again, when no
 # arrival has been announced (arrivals mark them stale at once).
 REFRESH_EVERY_S = 1.0
+# How long a request waits in another worker's direct lane before any worker
+# may take it (that worker is busy, draining or gone).
+SPILL_AFTER_S = 0.5
 # How many reads a claim may take before it gives up for now (each lost race
 # or empty lane costs one).
 _TRIES = 32
@@ -43,24 +54,45 @@ _TRIES = 32
 
 @dataclass(frozen=True)
 class Claimed:
-    """A request this worker took: its lane, body and headers (trace context)."""
+    """A request this worker took: its lane, body and headers (trace context).
+
+    ``source`` says where it waited: ``direct`` (this worker's direct lane),
+    ``shared``, or ``spilled`` (another worker's direct lane, after the wait).
+    """
 
     subject: str
     data: bytes
     headers: dict[str, str]
+    source: str = "shared"
+    stamp: float | None = None  # when it entered the stream (Unix time), if known
 
 
 class WorkClaims:
     """Claims one model's requests from the work queue (see the module's docs)."""
 
-    def __init__(self, nc: NATS, subjects: Subjects, model_id: str, *, fair: bool = True) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        model_id: str,
+        worker_id: str | None = None,
+        *,
+        fair: bool = True,
+        spill_after_s: float = SPILL_AFTER_S,
+    ) -> None:
         self.nc = nc
         self.fair = fair
+        self.spill_after_s = spill_after_s
         self.share = FairShare()
         self.stream = subjects.infer_stream
         self.lanes = subjects.infer_lanes(model_id)
+        self._shared = subjects.infer_shared_lanes(model_id)
+        self.me = model_token(worker_id) if worker_id else None
+        self._mine = subjects.infer_direct_lanes(model_id, worker_id) if worker_id else None
         self._api = "$JS.API"
         self._backlog: dict[str, int] = {}
+        # other workers' direct lanes: when (monotonic) their oldest request may be taken
+        self._ripe_at: dict[str, float] = {}
         self._read_at = 0.0
         self._stale = True
         self._prefix = self.lanes[:-1]  # "tg.infer.<model>."
@@ -72,48 +104,120 @@ class WorkClaims:
         """A router announced a request for this model, in ``lane`` when it says."""
         if lane is not None and lane.startswith(self._prefix):
             self._backlog[lane] = self._backlog.get(lane, 0) + 1
+            self._watch(lane, time.monotonic())
         else:
             self._stale = True
 
+    def ripe_in(self) -> float | None:
+        """Seconds until a request in another worker's direct lane may be taken (None: none)."""
+        waiting = [at for lane, at in self._ripe_at.items() if self._backlog.get(lane, 0) > 0]
+        return max(0.0, min(waiting) - time.monotonic()) if waiting else None
+
     async def take(self) -> Claimed | None:
-        """The next request for this worker; None when the model's lanes are empty."""
+        """The next request for this worker; None when no lane holds one it may take."""
         self.contended = False
         for _ in range(_TRIES):
-            if self.fair:
-                if self._stale or self._age() > REFRESH_EVERY_S:
-                    await self._read_backlog()
-                subject = self.share.pick(self._backlog)
-                if subject is None:
-                    return None
-            else:
-                subject = self.lanes
+            if self._stale or self._age() > REFRESH_EVERY_S:
+                await self._read_backlog()
+            subject = self._pick()
+            if subject is None:
+                return None
             got = await self._oldest(subject)
             if got is None:
-                if not self.fair:
-                    return None
-                self._backlog.pop(subject, None)  # emptied by others since the counts
+                if subject in self._backlog:
+                    self._backlog.pop(subject)  # emptied by others since the counts
+                else:
+                    self._stale = True  # a wildcard (first come, first served) found nothing
                 continue
             seq, claimed = got
+            if claimed.source == "spilled" and not self._spills(claimed):
+                continue  # the request there is younger than the wait: its worker may take it
             if not await self._delete(seq):
                 self._stale = True  # other workers are taking from these lanes
                 continue  # another worker had it first
+            left = self._backlog.get(claimed.subject, 1) - 1
+            if left > 0:
+                self._backlog[claimed.subject] = left
+            else:
+                self._backlog.pop(claimed.subject, None)
             if self.fair:
-                left = self._backlog.get(claimed.subject, 1) - 1
-                if left > 0:
-                    self._backlog[claimed.subject] = left
-                else:
-                    self._backlog.pop(claimed.subject, None)
                 self.share.took(claimed.subject)
             return claimed
         self.contended = True
         return None
+
+    # -- which lane ---------------------------------------------------------
+
+    def _source(self, lane: Lane) -> str:
+        if lane.worker is None:
+            return "shared"
+        return "direct" if lane.worker == self.me else "spilled"
+
+    def _open(self, subject: str, lane: Lane, now: float) -> bool:
+        """Whether this worker may take from ``subject`` now."""
+        if lane.worker is None or lane.worker == self.me:
+            return True
+        return self._ripe_at.get(subject, now + self.spill_after_s) <= now
+
+    def _pick(self) -> str | None:
+        """The subject to read the next request from (a lane, or a wildcard of lanes)."""
+        now = time.monotonic()
+        groups: dict[str, int] = {}
+        spilling: dict[str, str] = {}  # group -> another worker's ripe direct lane in it
+        own = shared = False
+        for subject, count in self._backlog.items():
+            lane = Lane.parse(subject) if count > 0 else None
+            if lane is None or not self._open(subject, lane, now):
+                continue
+            groups[lane.group] = groups.get(lane.group, 0) + count
+            source = self._source(lane)
+            own = own or source == "direct"
+            shared = shared or source == "shared"
+            if source == "spilled":
+                spilling.setdefault(lane.group, subject)
+        if not self.fair:  # first come, first served: own lanes, shared ones, then spills
+            if own and self._mine is not None:
+                return self._mine
+            if shared:
+                return self._shared
+            return next(iter(spilling.values()), None)
+        group = self.share.pick(groups)
+        if group is None:
+            return None
+        if self.me is not None and self._backlog.get(f"{group}.{self.me}", 0) > 0:
+            return f"{group}.{self.me}"
+        if self._backlog.get(group, 0) > 0:
+            return group
+        return spilling.get(group)
+
+    def _watch(self, subject: str, now: float) -> None:
+        """Start the wait of another worker's direct lane that holds requests."""
+        lane = Lane.parse(subject)
+        if lane is not None and lane.worker is not None and lane.worker != self.me:
+            self._ripe_at.setdefault(subject, now + self.spill_after_s)
+
+    def _spills(self, claimed: Claimed) -> bool:
+        """Whether the request read from another worker's direct lane has waited long enough.
+
+        Its age comes from the stream's own timestamp of the message; a lane
+        whose request is younger opens again when it would be old enough.
+        """
+        if claimed.stamp is None:
+            return True  # no timestamp: the lane has waited since it was first seen
+        age = time.time() - claimed.stamp
+        if age >= self.spill_after_s:
+            return True
+        self._ripe_at[claimed.subject] = time.monotonic() + self.spill_after_s - age
+        return False
+
+    # -- the stream ---------------------------------------------------------
 
     def _age(self) -> float:
         return time.monotonic() - self._read_at
 
     async def _read_backlog(self) -> None:
         self._stale = False
-        self._read_at = time.monotonic()
+        now = self._read_at = time.monotonic()
         request = orjson.dumps({"subjects_filter": self.lanes})
         reply = await self.nc.request(f"{self._api}.STREAM.INFO.{self.stream}", request, timeout=5)
         info = orjson.loads(reply.data)
@@ -121,9 +225,12 @@ class WorkClaims:
             raise RuntimeError(f"work queue: {info['error'].get('description', info['error'])}")
         counts = info.get("state", {}).get("subjects") or {}
         self._backlog = {subject: int(n) for subject, n in counts.items()}
+        self._ripe_at = {s: at for s, at in self._ripe_at.items() if s in self._backlog}
+        for subject in self._backlog:
+            self._watch(subject, now)
 
     async def _oldest(self, subject: str) -> tuple[int, Claimed] | None:
-        """The oldest request on ``subject`` (a lane, or every lane of the model) and its seq."""
+        """The oldest request on ``subject`` (a lane, or a wildcard of lanes) and its seq."""
         request = orjson.dumps({"seq": 0, "next_by_subj": subject})
         msg = await self.nc.request(f"{self._api}.DIRECT.GET.{self.stream}", request, timeout=5)
         headers = dict(msg.headers or {})
@@ -133,9 +240,12 @@ class WorkClaims:
             raise RuntimeError(f"work queue: {headers.get('Status')} {headers.get('Description')}")
         seq = int(headers.pop("Nats-Sequence"))
         lane = headers.pop("Nats-Subject", subject)
-        for name in ("Nats-Stream", "Nats-Time-Stamp", "Nats-Last-Sequence"):
+        stamp = _stamp(headers.pop("Nats-Time-Stamp", None))
+        for name in ("Nats-Stream", "Nats-Last-Sequence"):
             headers.pop(name, None)
-        return seq, Claimed(lane, msg.data, headers)
+        parsed = Lane.parse(lane)
+        source = self._source(parsed) if parsed is not None else "shared"
+        return seq, Claimed(lane, msg.data, headers, source, stamp)
 
     async def _delete(self, seq: int) -> bool:
         """Delete message ``seq``: True when this worker deleted it (and so has it)."""
@@ -144,3 +254,15 @@ class WorkClaims:
             f"{self._api}.STREAM.MSG.DELETE.{self.stream}", request, timeout=5
         )
         return bool(orjson.loads(reply.data).get("success"))
+
+
+def _stamp(value: str | None) -> float | None:
+    """Unix time of a stream timestamp (RFC 3339, nanoseconds, UTC); None if unreadable."""
+    if not value:
+        return None
+    try:
+        whole, _, rest = value.rstrip("Z").partition(".")
+        fraction = float(f"0.{rest}") if rest else 0.0
+        return datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp() + fraction
+    except ValueError:
+        return None

@@ -87,10 +87,14 @@ class FairShare:
         if lane is None:
             return
         self._tenant_weight[(lane.priority, lane.tenant)] = tenant_weight
-        self._key_weight[subject] = key_weight
+        self._key_weight[lane.group] = key_weight
 
     def pick(self, backlog: Mapping[str, int]) -> str | None:
-        """The lane to take from next, among those with requests waiting (None: all empty)."""
+        """The lane to take from next, among those with requests waiting (None: all empty).
+
+        ``backlog`` counts requests by shared lane (a worker's direct lanes
+        count under theirs: :attr:`~tollgate.wire.subjects.Lane.group`).
+        """
         waiting: dict[str, dict[str, list[Lane]]] = {}
         for subject, count in backlog.items():
             lane = Lane.parse(subject) if count > 0 else None
@@ -107,7 +111,7 @@ class FairShare:
         return None
 
     def took(self, subject: str) -> None:
-        """A request from lane ``subject`` got a slot: move its tenant's and key's clocks."""
+        """A request from lane ``subject`` (shared or direct) got a slot: move its clocks."""
         lane = Lane.parse(subject)
         if lane is None:
             return
@@ -115,9 +119,9 @@ class FairShare:
         tenants = self._tenants.setdefault(cls, _Clock())
         tenants.grant(tenant, self._tenant_weight.get((cls, tenant), 1.0))
         keys = self._keys.setdefault((cls, tenant), _Clock())
-        keys.grant(lane.key, self._key_weight.get(subject, 1.0))
+        keys.grant(lane.key, self._key_weight.get(lane.group, 1.0))
         if len(self._key_weight) > _KEPT:
-            self._key_weight = {subject: self._key_weight[subject]}
+            self._key_weight = {lane.group: self._key_weight.get(lane.group, 1.0)}
             self._tenant_weight = {(cls, tenant): self._tenant_weight.get((cls, tenant), 1.0)}
             tenants.forget({tenant})
             self._keys = {(cls, tenant): keys}

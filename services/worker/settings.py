@@ -26,6 +26,12 @@ class WorkerSettings(BaseSettings):
         description="Take requests by weighted fair share between tenants and keys "
         "(off: first come, first served).",
     )
+    spill_after_s: float = Field(
+        default=0.5,
+        ge=0,
+        description="How long a request waits in another worker's direct lane (cache-aware "
+        "routing) before this worker may take it.",
+    )
     host: str = Field(default="127.0.0.1", description="Health and metrics listen address.")
     port: int | None = Field(
         default=None, description="Serve /healthz, /readyz and /metrics on this port (off: unset)."

@@ -62,3 +62,25 @@ def test_subject_names_use_the_prefix_and_the_token() -> None:
     assert parsed is not None
     assert (parsed.priority, parsed.tenant, parsed.key) == ("batch", "t_2E1", "k1")
     assert Lane.parse("acme.workers.m") is None
+
+
+def test_a_worker_s_direct_lane_is_its_shared_lane_and_its_worker_token() -> None:
+    s = Subjects("acme")
+    shared = s.infer_lane("org/m.1", "batch", "t.1", "k1")
+    mine = s.infer_lane("org/m.1", "batch", "t.1", "k1", "host.a-1")
+    assert mine == shared + ".host_2Ea-1"
+    parsed = Lane.parse(mine)
+    assert parsed is not None
+    assert (parsed.priority, parsed.tenant, parsed.key, parsed.worker) == (
+        "batch",
+        "t_2E1",
+        "k1",
+        "host_2Ea-1",
+    )
+    assert parsed.group == shared
+    shared_lane = Lane.parse(shared)
+    assert shared_lane is not None and shared_lane.worker is None
+    assert shared_lane.group == shared
+    # the wildcards tell the shared lanes and one worker's direct lanes apart
+    assert s.infer_shared_lanes("org/m.1") == "acme.infer.org_2Fm_2E1.*.*.*"
+    assert s.infer_direct_lanes("org/m.1", "host.a-1") == "acme.infer.org_2Fm_2E1.*.*.*.host_2Ea-1"

@@ -165,7 +165,7 @@ def test_lanes_without_requests_are_never_picked() -> None:
         "garbage",
         "tg.usage.acme",
         "tg.infer.model.interactive.acme",  # one token short
-        "tg.infer.model.interactive.acme.k1.extra",  # one too many
+        "tg.infer.model.interactive.acme.k1.w1.extra",  # one more than a direct lane
         "tg.notinfer.model.interactive.acme.k1",
     ],
 )
@@ -293,3 +293,82 @@ async def test_two_workers_racing_claim_each_request_exactly_once(
     assert sorted(one + two) == sorted(bodies)  # every request once, none twice
     assert len(one) + len(two) == 50
     assert one and two, (len(one), len(two))  # both really raced
+
+
+# -- direct lanes (cache-aware routing) -----------------------------------------
+
+
+def direct(tenant: str, worker_id: str, model: str, key: str = "k1") -> str:
+    return S.infer_lane(model, "interactive", tenant, key, worker_id)
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["fair", "fifo"])
+async def test_a_worker_takes_its_own_direct_lane_before_the_shared_one(
+    router: NATS, worker: NATS, server: NatsServer, fair: bool
+) -> None:
+    model = f"sim/claims-direct-{'fair' if fair else 'fifo'}"
+    shared = lane("acme", model=model)
+    mine = direct("acme", "w-1", model)
+    await publish(router, [shared, shared, mine])
+    claims = WorkClaims(worker, S, model, "w-1", fair=fair)
+    taken = [await claims.take() for _ in range(3)]
+    assert [(c.subject, c.source) for c in taken if c is not None] == [
+        (mine, "direct"),
+        (shared, "shared"),
+        (shared, "shared"),
+    ]
+    assert await queued(server, model) == 0
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["fair", "fifo"])
+async def test_another_worker_s_direct_request_spills_only_after_its_wait(
+    router: NATS, worker: NATS, server: NatsServer, fair: bool
+) -> None:
+    model = f"sim/claims-spill-{'fair' if fair else 'fifo'}"
+    theirs = direct("acme", "w-busy", model)
+    [body] = await publish(router, [theirs])
+    patient = WorkClaims(worker, S, model, "w-other", fair=fair, spill_after_s=600)
+    assert await patient.take() is None  # w-busy may still take it
+    assert patient.ripe_in() is not None
+    assert await queued(server, model) == 1
+    eager = WorkClaims(worker, S, model, "w-other", fair=fair, spill_after_s=0)
+    claimed = await eager.take()
+    assert claimed is not None
+    assert (claimed.subject, claimed.source, claimed.data) == (theirs, "spilled", body)
+    assert claimed.stamp is not None
+    assert await queued(server, model) == 0
+
+
+async def test_a_spilling_request_younger_than_the_wait_is_left_for_its_worker(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    """The lane looked old enough, but the stream's timestamp of its request says no."""
+    model = "sim/claims-young"
+    theirs = direct("acme", "w-busy", model)
+    await publish(router, [theirs])
+    claims = WorkClaims(worker, S, model, "w-other", spill_after_s=600)
+    await claims.take()  # reads the counts: the lane is watched from now
+    claims._ripe_at[theirs] = 0.0  # as if first seen long ago
+    assert await claims.take() is None
+    assert claims._ripe_at[theirs] > 0.0  # opens again when the request is old enough
+    assert await queued(server, model) == 1
+
+
+async def test_fair_share_counts_a_direct_lane_under_its_tenant_and_key(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    model = "sim/claims-direct-share"
+    acme_direct = direct("acme", "w-1", model)
+    acme_shared = lane("acme", model=model)
+    globex = lane("globex", model=model)
+    await publish(router, [acme_direct] * 4 + [acme_shared] * 4 + [globex] * 4)
+    claims = WorkClaims(worker, S, model, "w-1")
+    taken = [await claims.take() for _ in range(12)]
+    order = tenants([c.subject for c in taken if c is not None])
+    assert len(order) == 12
+    # acme's direct and shared requests are one lane for fair share: globex
+    # gets every other slot while it waits, not one in three
+    assert order[:8].count("globex") == 4, order
+    acme = [c.subject for c in taken if c is not None and "acme" in c.subject]
+    assert acme == [acme_direct] * 4 + [acme_shared] * 4  # its own lane first
+    assert await queued(server, model) == 0

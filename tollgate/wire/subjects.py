@@ -46,20 +46,32 @@ def model_token(model_id: str) -> str:
 
 @dataclass(frozen=True)
 class Lane:
-    """The parts of a lane subject (:meth:`Subjects.infer_lane`), tokens as they are."""
+    """The parts of a lane subject (:meth:`Subjects.infer_lane`), tokens as they are.
+
+    ``worker`` is set on a worker's direct lane (cache-aware routing): the
+    request waits there for that worker first. ``group`` is the shared lane
+    of the same class, tenant and key, which fair share counts it under.
+    """
 
     subject: str
     priority: str
     tenant: str
     key: str
+    worker: str | None = None
 
     @classmethod
     def parse(cls, subject: str) -> Lane | None:
         """The lane of a work-queue subject; None for anything else."""
         parts = subject.split(".")
-        if len(parts) != 6 or parts[1] != "infer":
+        if len(parts) not in (6, 7) or parts[1] != "infer":
             return None
-        return cls(subject, parts[3], parts[4], parts[5])
+        worker = parts[6] if len(parts) == 7 else None
+        return cls(subject, parts[3], parts[4], parts[5], worker)
+
+    @property
+    def group(self) -> str:
+        """The shared lane's subject (this subject less its worker token)."""
+        return self.subject if self.worker is None else self.subject.rpartition(".")[0]
 
 
 def model_id_from_token(token: str) -> str:
@@ -103,21 +115,40 @@ class Subjects:
         """A key-value bucket's name under this prefix (``tg_keys``)."""
         return f"{self.prefix}_{name}"
 
-    def infer_lane(self, model_id: str, priority: str, tenant: str, key_id: str | None) -> str:
+    def infer_lane(
+        self,
+        model_id: str,
+        priority: str,
+        tenant: str,
+        key_id: str | None,
+        worker_id: str | None = None,
+    ) -> str:
         """The work-queue subject of one lane: a model's requests of one class, tenant and key.
 
         ``tg.infer.<model>.<class>.<tenant>.<key>``: the workers of a model take
         from its lanes by weight (:mod:`services.worker.fairshare`), so that one
-        tenant's backlog does not hold up another's requests.
+        tenant's backlog does not hold up another's requests. With ``worker_id``,
+        that worker's direct lane of the same class, tenant and key
+        (``...<key>.<worker>``): cache-aware routing sends a request there, to
+        the worker that likely holds its prompt's prefix.
         """
-        return (
+        lane = (
             f"{self.prefix}.infer.{model_token(model_id)}.{priority}."
             f"{model_token(tenant)}.{model_token(key_id) if key_id else '-'}"
         )
+        return lane if worker_id is None else f"{lane}.{model_token(worker_id)}"
 
     def infer_lanes(self, model_id: str) -> str:
-        """Every lane of one model (a wildcard)."""
+        """Every lane of one model, shared and direct (a wildcard)."""
         return f"{self.prefix}.infer.{model_token(model_id)}.>"
+
+    def infer_shared_lanes(self, model_id: str) -> str:
+        """The shared lanes of one model, without the workers' direct ones (a wildcard)."""
+        return f"{self.prefix}.infer.{model_token(model_id)}.*.*.*"
+
+    def infer_direct_lanes(self, model_id: str, worker_id: str) -> str:
+        """One worker's direct lanes for one model (a wildcard)."""
+        return f"{self.prefix}.infer.{model_token(model_id)}.*.*.*.{model_token(worker_id)}"
 
     @property
     def infer_all(self) -> str:
