@@ -210,6 +210,26 @@ class WorkerHeartbeat(_Contract):
     started_at: float | None = Field(
         default=None, description="Unix time the worker process started."
     )
+    prefix_cache_queries: int | None = Field(
+        default=None,
+        ge=0,
+        description="Prompt tokens its engine looked up in its prefix cache since the worker "
+        "started (vLLM's vllm:prefix_cache_queries); None when the engine does not report it.",
+    )
+    prefix_cache_hits: int | None = Field(
+        default=None,
+        ge=0,
+        description="Of those, tokens found in the cache (computed once, reused) since the "
+        "worker started (vLLM's vllm:prefix_cache_hits); None when the engine does not "
+        "report it.",
+    )
+    prefix_cache_hit_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Hits / queries over the last 10 seconds (a few heartbeats); None when "
+        "no prompt token was looked up then, or the engine does not report its cache.",
+    )
 
 
 # Bounds every reader of a usage event applies (the contract's own validation):
