@@ -15,6 +15,8 @@
    nats.py (``bench/control_plane.py``).
 7. Fair share: a quiet tenant's latency beside a noisy one, first come
    first served vs fair share (``bench/fairness.py``).
+8. Cache-aware routing: multi-turn chats of many tenants on two vLLM
+   workers, routed by prompt prefix vs the shared queue (``bench/routing.py``).
 
 Results go to docs/benchmarks.md (and bench/results/latest.json).
 """
@@ -323,6 +325,7 @@ def main() -> None:
             "registry",
             "control",
             "fairness",
+            "routing",
         ],
     )
     parser.add_argument(
@@ -390,6 +393,10 @@ def main() -> None:
             from bench.fairness import bench_fairness
 
             results["fairness"] = {**bench_fairness(work, env, ns.quick), "date": results["date"]}
+        if ns.only in (None, "routing"):
+            from bench.routing import bench_routing
+
+            results["routing"] = {**bench_routing(work, env, ns.quick), "date": results["date"]}
         if ns.only in (None, "inference"):
             results["inference"] = {
                 **bench_inference(work, env, ns.quick),
