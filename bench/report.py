@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.routing import render as _routing
+
 
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.3f}" if b else "n/a"
@@ -607,6 +609,7 @@ _PARTS = {
     "registry": _registry,
     "control": _control,
     "fairness": _fairness,
+    "routing": _routing,
     "soak": _soak,
 }
 _PART_TITLES = {
@@ -618,6 +621,7 @@ _PART_TITLES = {
     "registry": ("Model registry",),
     "control": ("Control plane",),
     "fairness": ("Fair share",),
+    "routing": ("Cache-aware routing",),
     "soak": ("Soak",),
 }
 
