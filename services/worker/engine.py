@@ -7,6 +7,7 @@ shape of output, for fast tests and gateway benchmarks).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -77,7 +78,52 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float | None = None
+    # Prefix cache, in prompt tokens as vLLM counts them, cumulative since the
+    # engine started; None when the engine does not know (no stats, no cache)
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+    # hits / queries over the last HIT_RATE_WINDOW_S (None: nothing queried then)
+    prefix_cache_hit_rate: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+# The window of the recent prefix-cache hit rate: a few heartbeats (one a
+# second), so one long prompt does not swing it, yet it follows a change of
+# traffic within seconds.
+HIT_RATE_WINDOW_S = 10.0
+
+
+class RecentHitRate:
+    """Hits / queries of the last ``window_s`` seconds, from cumulative counters.
+
+    Fed the counters each time the engine's stats are read (every heartbeat
+    and every scrape): the rate is the counters' growth since the newest
+    reading at least ``window_s`` old (the oldest one while the engine is
+    younger), so it does not depend on how often it is read.
+    """
+
+    def __init__(self, window_s: float = HIT_RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._readings: deque[tuple[float, int, int]] = deque()
+
+    def update(self, now: float, queries: int | None, hits: int | None) -> float | None:
+        if queries is None or hits is None:
+            return None
+        readings = self._readings
+        if readings and (queries < readings[-1][1] or hits < readings[-1][2]):
+            readings.clear()  # the counters restarted (a new engine)
+        readings.append((now, queries, hits))
+        # keep one reading at or before the window's start: the base of the rate
+        while len(readings) > 1 and readings[1][0] <= now - self.window_s:
+            readings.popleft()
+        _, base_queries, base_hits = readings[0]
+        if len(readings) == 1 and readings[0][0] == now:
+            base_queries = base_hits = 0  # the first reading: all since the start
+        queried = queries - base_queries
+        if queried <= 0:
+            return None
+        # a read between two counters' updates must not make a rate above 1
+        return min(1.0, max(0.0, (hits - base_hits) / queried))
 
 
 class Engine(Protocol):

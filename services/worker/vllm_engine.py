@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +23,7 @@ from services.worker.engine import (
     EngineStats,
     ErrorResult,
     FullResult,
+    RecentHitRate,
     StreamEvent,
     StreamResult,
     current_tally,
@@ -37,21 +39,45 @@ _USAGE_MARK = '"choices":[],"usage":'
 _FINISH_MARK = '"finish_reason":"'
 
 
-def _vllm_gauge(name: str, model: str) -> float | None:
+def _vllm_samples(name: str, sample_name: str, model: str, registry: Any) -> list[float]:
+    """The values of ``sample_name`` under vLLM's metric ``name`` for ``model``, per engine."""
+    collector = registry._names_to_collectors.get(name)  # only that metric, not all of them
+    if collector is None:
+        return []
+    return [
+        float(sample.value)
+        for family in collector.collect()
+        for sample in family.samples
+        if sample.name == sample_name and sample.labels.get("model_name") == model
+    ]
+
+
+def _vllm_gauge(name: str, model: str, registry: Any = None) -> float | None:
     """The current value of one of vLLM's gauges for ``model`` (None if vLLM has none)."""
     from prometheus_client import REGISTRY
 
-    collector = REGISTRY._names_to_collectors.get(name)  # only that gauge, not all of them
-    if collector is None:
-        return None
     try:
-        for family in collector.collect():
-            for sample in family.samples:
-                if sample.name == name and sample.labels.get("model_name") == model:
-                    return float(sample.value)
+        values = _vllm_samples(name, name, model, registry if registry is not None else REGISTRY)
     except Exception:  # a stats read never breaks a heartbeat
         return None
-    return None
+    return values[0] if values else None
+
+
+def vllm_counter(name: str, model: str, registry: Any = None) -> int | None:
+    """One of vLLM's counters for ``model``, summed over its engines (None if vLLM has none).
+
+    vLLM names its counters without the suffix (``vllm:prefix_cache_hits``);
+    prometheus_client samples them as ``<name>_total``, one per engine index.
+    """
+    from prometheus_client import REGISTRY
+
+    try:
+        values = _vllm_samples(
+            name, f"{name}_total", model, registry if registry is not None else REGISTRY
+        )
+    except Exception:  # a stats read never breaks a heartbeat
+        return None
+    return int(sum(values)) if values else None
 
 
 # A request's class reaches vLLM as its own ``priority`` field (ENGINE_PRIORITY):
@@ -67,7 +93,10 @@ def build_engine_argv(entry: ModelEntry, model_path: Path) -> list[str]:
     """Command-line arguments for vLLM's own parser, as ``vllm serve`` takes them.
 
     The catalog's own arguments come last; :func:`parse_engine_args` refuses
-    those that undo what the worker needs (the priority policy).
+    those that undo what the worker needs (the priority policy). Prefix
+    caching is on (cache-aware routing sends a conversation back to the
+    worker holding its prefix); a catalog may turn it off with
+    ``--no-enable-prefix-caching``, which the engine then reports.
     """
     return [
         "--model",
@@ -80,6 +109,7 @@ def build_engine_argv(entry: ModelEntry, model_path: Path) -> list[str]:
         str(entry.tensor_parallel_size),
         "--scheduling-policy",
         SCHEDULING_POLICY,
+        "--enable-prefix-caching",
         *entry.engine_args,
     ]
 
@@ -109,6 +139,17 @@ def parse_engine_args(entry: ModelEntry, model_path: Path) -> Any:
         )
     validate_parsed_serve_args(args)
     return args
+
+
+def prefix_caching_asked(args: Any) -> bool:
+    """Whether parsed serve arguments ask for prefix caching.
+
+    The worker asks for it; a catalog's ``--no-enable-prefix-caching`` (any
+    spelling vLLM's parser takes) turns it off. Unset, vLLM's own default holds:
+    on for generative models.
+    """
+    value = getattr(args, "enable_prefix_caching", None)
+    return True if value is None else bool(value)
 
 
 def engine_body(body: dict[str, Any], request_id: str) -> dict[str, Any]:
@@ -164,6 +205,10 @@ class VllmEngine:
         self.model_path = model_path
         self.slots_total = 0
         self.scheduling_policy = ""  # the running engine's, once started
+        # as the catalog's arguments ask, then as the running engine has it (vLLM
+        # turns it off where the platform cannot, e.g. MLA models on the CPU)
+        self.prefix_caching: bool | None = None
+        self._hit_rate = RecentHitRate()
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
         self._handlers: dict[Endpoint, tuple[Any, Any]] = {}
@@ -180,6 +225,7 @@ class VllmEngine:
 
         args = parse_engine_args(self.entry, self.model_path)
         self._args = args
+        self.prefix_caching = prefix_caching_asked(args)
         engine_args = AsyncEngineArgs.from_cli_args(args)
         guard_engine_processes()  # the engine core dies with this process
         # What vllm serve's build_async_engine_client_from_engine_args does,
@@ -204,12 +250,15 @@ class VllmEngine:
         scheduler = client.vllm_config.scheduler_config
         self.slots_total = int(scheduler.max_num_seqs)
         self.scheduling_policy = str(scheduler.policy)
+        # what the engine runs with: vLLM turns caching off where its platform cannot
+        self.prefix_caching = bool(client.vllm_config.cache_config.enable_prefix_caching)
         log.info(
             "engine started",
             extra={
                 "model": self.entry.id,
                 "scheduling_policy": self.scheduling_policy,
                 "max_num_seqs": self.slots_total,
+                "prefix_caching": self.prefix_caching,
             },
         )
         state = State()
@@ -254,10 +303,28 @@ class VllmEngine:
         unfinished = self._client.output_processor.get_num_unfinished_requests()
         # KV-cache use and the scheduler's queue, from vLLM's own Prometheus gauges
         waiting = _vllm_gauge("vllm:num_requests_waiting", self.entry.id)
+        queries, hits = self.prefix_cache_counts()
         return EngineStats(
             running=unfinished,
             waiting=int(waiting or 0),
             kv_cache_usage=_vllm_gauge("vllm:kv_cache_usage_perc", self.entry.id),
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            prefix_cache_hit_rate=self._hit_rate.update(time.monotonic(), queries, hits),
+        )
+
+    def prefix_cache_counts(self, registry: Any = None) -> tuple[int | None, int | None]:
+        """vLLM's prefix-cache counters: prompt tokens looked up, and tokens found.
+
+        From vLLM's own Prometheus counters (``registry``: the process's
+        default one, where vLLM keeps them). None when the engine runs without
+        a prefix cache, or logs no stats (``--disable-log-stats``: no counters).
+        """
+        if not self.prefix_caching:
+            return None, None
+        return (
+            vllm_counter("vllm:prefix_cache_queries", self.entry.id, registry),
+            vllm_counter("vllm:prefix_cache_hits", self.entry.id, registry),
         )
 
     async def run(self, endpoint: Endpoint, body: dict[str, Any], request_id: str) -> EngineResult:
