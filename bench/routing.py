@@ -565,12 +565,9 @@ def bench_routing(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any
         out = asyncio.run(
             measure(procs, url, router_env, keys, metrics, words, tokenizer, rounds, conversations)
         )
-    system_tokens = len(
-        tokenizer.apply_chat_template(
-            [{"role": "system", "content": system_prompt(random.Random(0), words, tokenizer, 0)}],
-            tokenize=True,
-        )
-    )
+    system = system_prompt(random.Random(0), words, tokenizer, 0)
+    templated = tokenizer.apply_chat_template([{"role": "system", "content": system}])
+    system_tokens = len(templated["input_ids"] if hasattr(templated, "keys") else templated)
     out.update(
         {
             "tenants": TENANTS,
@@ -658,24 +655,27 @@ def render(r: dict[str, Any]) -> list[str]:
         "`off` each sees every tenant's and evicts them before they come back.",
         "",
         "TTFT is each call's first content delta at the client; output tokens/s the "
-        "completion tokens of a round over its wall time; the hit rate the prompt tokens vLLM "
+        "completion tokens of a round over its wall time; queue wait the router's own "
+        "`queue_s` (from publishing a call to the work queue to its worker's start), the "
+        "median of the rounds' medians; the hit rate the prompt tokens vLLM "
         "found in its prefix cache over those it looked up, both workers, from the growth of "
         f"the workers' `{r['per_round'][0].get('hit_counters') or 'prefix cache'}` counters "
         'over the round; "on its tenant\'s worker" the share of calls served by the worker that '
         "served most of their tenant's calls that round (from the router's log).",
         "",
-        "| policy | rounds | calls | TTFT p50 (ms) | TTFT p95 (ms) | output tokens/s "
-        "| prefix-cache hit rate | on its tenant's worker |",
-        "|---|---|---|---|---|---|---|---|",
+        "| policy | rounds | calls | TTFT p50 (ms) | TTFT p95 (ms) | queue wait p50 (ms) "
+        "| output tokens/s | prefix-cache hit rate | on its tenant's worker |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in (("prefix", prefix), ("off (shared queue)", off)):
         lines.append(
             f"| {name} | {s['rounds']} | {s['requests']} | {s['ttft_p50_ms']:.0f} | "
-            f"{s['ttft_p95_ms']:.0f} | {s['output_tokens_per_s']:.1f} | "
-            f"{_rate(s.get('hit_rate'))} | {100 * s['turns_on_tenant_worker']:.0f} % |"
+            f"{s['ttft_p95_ms']:.0f} | {s['queue_p50_ms']:.0f} | "
+            f"{s['output_tokens_per_s']:.1f} | {_rate(s.get('hit_rate'))} | "
+            f"{100 * s['turns_on_tenant_worker']:.0f} % |"
         )
     lines.append(
-        f"| prefix / off | | | {ratios['ttft_p50_ms']:.2f} | {ratios['ttft_p95_ms']:.2f} | "
+        f"| prefix / off | | | {ratios['ttft_p50_ms']:.2f} | {ratios['ttft_p95_ms']:.2f} | | "
         f"{ratios['output_tokens_per_s']:.2f} | | |"
     )
     lines += [
