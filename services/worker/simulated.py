@@ -17,6 +17,11 @@ double:
 3. its engine, as it takes the request: 400 ``BadRequestError`` too, but a
    stream has answered 200 by then and carries the error as its one event.
 
+Its prefix cache (off unless the catalog gives it ``prefix_cache_tokens``)
+stands for vLLM's automatic prefix caching: see :class:`_PrefixCache`. With
+``prefill_tokens_per_s`` set, the time to first token grows with the prompt
+tokens the cache did not hold, so cache-aware routing shows in latency too.
+
 It stands for ``vllm serve`` with its default options: no tool-call parser,
 no fill-in-the-middle rendering, a text-only model, ``--max-logprobs 20``, no
 sampling defaults from the model's generation config, and a chat template
@@ -34,7 +39,8 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -55,6 +61,7 @@ from services.worker.engine import (
     EngineStats,
     ErrorResult,
     FullResult,
+    RecentHitRate,
     StreamEvent,
     StreamResult,
     current_tally,
@@ -699,6 +706,10 @@ class _Plan:
     refused: RefusedAtStart | None = None
     finish: list[str] = field(default_factory=list)
     priority: int = 0  # vLLM's request priority: lower runs first
+    cache_salt: str | None = None  # seeds its blocks' hashes: shared only with the same salt
+    # vLLM does not read the prefix cache for a request that wants its prompt's
+    # logprobs (it still writes it)
+    read_cache: bool = True
 
     @property
     def prompt_tokens(self) -> int:
@@ -757,6 +768,63 @@ class _Slots:
         self.running -= 1
 
 
+class _PrefixCache:
+    """vLLM's automatic prefix caching, simulated: full blocks of tokens, LRU evicted.
+
+    A block (``block_tokens`` tokens) is known by a hash of every token up to
+    its end: its own tokens chained to the hash of the block before, as vLLM
+    chains them, the first seeded by the request's ``cache_salt``. So a block
+    is found only after the same whole prefix. Only full blocks are cached.
+
+    A look-up counts as vLLM's does: the prompt's tokens are queried, and the
+    hits are the tokens of its leading blocks found in the cache, at most all
+    but the last prompt token (vLLM computes that one again for its logits).
+    A request's blocks are then cached, most recently used first from its
+    first block, so its tail goes before its prefix when the cache is full
+    (vLLM frees a request's blocks tail first for the same reason).
+    """
+
+    def __init__(self, capacity_tokens: int, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self.capacity_blocks = capacity_tokens // block_tokens
+        self._blocks: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # of those, tokens found
+
+    def __len__(self) -> int:
+        """Blocks held."""
+        return len(self._blocks)
+
+    def _hashes(self, ids: Sequence[int], salt: str | None) -> list[int]:
+        size = self.block_tokens
+        parent = hash(("cache_salt", salt))
+        hashes = []
+        for end in range(size, len(ids) + 1, size):
+            parent = hash((parent, tuple(ids[end - size : end])))
+            hashes.append(parent)
+        return hashes
+
+    def look_up(self, ids: Sequence[int], salt: str | None) -> int:
+        """Count one request's look-up; the prompt tokens found in the cache."""
+        usable = (len(ids) - 1) // self.block_tokens
+        found = 0
+        for block in self._hashes(ids, salt)[:usable]:
+            if block not in self._blocks:
+                break
+            found += 1
+        self.queries += len(ids)
+        self.hits += found * self.block_tokens
+        return found * self.block_tokens
+
+    def insert(self, ids: Sequence[int], salt: str | None) -> None:
+        """Cache the full blocks of ``ids`` (a prompt, or a prompt and its output)."""
+        for block in reversed(self._hashes(ids, salt)):
+            self._blocks[block] = None
+            self._blocks.move_to_end(block)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+
+
 class SimulatedEngine:
     name = "simulated"
 
@@ -767,7 +835,14 @@ class SimulatedEngine:
         self.model_path = model_path
         self.slots_total = self.config.max_num_seqs
         self._slots = _Slots(self.slots_total)
+        self._cache = (
+            _PrefixCache(self.config.prefix_cache_tokens, self.config.prefix_block_tokens)
+            if self.config.prefix_cache_tokens
+            else None
+        )
+        self._hit_rate = RecentHitRate()
         self._tokenizer: Any = None
+        self._output_ids: list[int] = []
         self._pieces: list[str] = []
         self._vocab_size = 0
         self._max_token_id = 0
@@ -777,8 +852,8 @@ class SimulatedEngine:
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         # the reply's tokens, each decoded once
-        output_ids = self._tokenizer.encode(_TEXT, add_special_tokens=False)
-        self._pieces = [self._tokenizer.decode([token_id]) for token_id in output_ids]
+        self._output_ids = list(self._tokenizer.encode(_TEXT, add_special_tokens=False))
+        self._pieces = [self._tokenizer.decode([token_id]) for token_id in self._output_ids]
         self._max_token_id = max(self._tokenizer.get_vocab().values())
         config = self.model_path / "config.json"
         vocab = orjson.loads(config.read_bytes()).get("vocab_size") if config.exists() else None
@@ -794,7 +869,16 @@ class SimulatedEngine:
         return self._slots.running
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=self._slots.running, waiting=self._slots.waiting)
+        if self._cache is None:  # no cache: nothing to report, as vLLM with caching off
+            return EngineStats(running=self._slots.running, waiting=self._slots.waiting)
+        queries, hits = self._cache.queries, self._cache.hits
+        return EngineStats(
+            running=self._slots.running,
+            waiting=self._slots.waiting,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            prefix_cache_hit_rate=self._hit_rate.update(time.monotonic(), queries, hits),
+        )
 
     @property
     def _context(self) -> int:
@@ -997,6 +1081,8 @@ class SimulatedEngine:
             prompts=[_Prompt(ids, max_tokens, echo)],
             refused=self._at_start(request, bias, logprobs, prompt_logprobs, [ids]),
             priority=request.priority,
+            cache_salt=request.cache_salt,
+            read_cache=prompt_logprobs is None,
         )
 
     def _completion_plan(self, body: dict[str, Any]) -> _Plan:
@@ -1046,6 +1132,8 @@ class SimulatedEngine:
             prompts=planned,
             refused=self._at_start(request, bias, logprobs, prompt_logprobs, rendered),
             priority=request.priority,
+            cache_salt=request.cache_salt,
+            read_cache=prompt_logprobs is None,
         )
 
     # -- serving ------------------------------------------------------------------------
@@ -1091,7 +1179,7 @@ class SimulatedEngine:
             stream.events = self._stream(stream, meta, plan, counts, usage)
             return stream
         texts = [plan.prompts[i // plan.n].echo for i in range(len(counts))]
-        async for index, piece in self._tokens(counts, plan.priority):
+        async for index, piece in self._tokens(plan, counts):
             texts[index] += piece
         choices = [
             {
@@ -1121,24 +1209,67 @@ class SimulatedEngine:
         yield StreamEvent(f"data: {refused.body()}\n\n")
         yield StreamEvent("data: [DONE]\n\n")
 
-    async def _tokens(self, counts: list[int], priority: int) -> AsyncIterator[tuple[int, str]]:
+    async def _tokens(self, plan: _Plan, counts: list[int]) -> AsyncIterator[tuple[int, str]]:
         """Yield (choice index, text) pairs at the configured pace, one step for all choices.
 
-        Generation starts once the request has a slot (see :class:`_Slots`).
+        Generation starts once the request has a slot (see :class:`_Slots`),
+        after its prefill: ``ttft_ms``, plus the prompt tokens its prefix
+        cache did not hold at ``prefill_tokens_per_s``.
         """
         tally = current_tally.get()
-        async with self._slots.hold(priority):
-            await asyncio.sleep(self.config.ttft_ms / 1000)
+        async with self._slots.hold(plan.priority):
+            uncached = self._prefill(plan)
+            prefill_s = uncached / rate if (rate := self.config.prefill_tokens_per_s) else 0.0
+            await asyncio.sleep(self.config.ttft_ms / 1000 + prefill_s)
             gap = 1.0 / self.config.tokens_per_s
-            for step in range(max(counts, default=0)):
-                if step:
-                    await asyncio.sleep(gap)
-                piece = self._pieces[step % len(self._pieces)]
-                for index, count in enumerate(counts):
-                    if step < count:
-                        if tally is not None:
-                            tally.completion_tokens += 1
-                        yield index, piece
+            steps = 0
+            try:
+                for step in range(max(counts, default=0)):
+                    if step:
+                        await asyncio.sleep(gap)
+                    piece = self._pieces[step % len(self._pieces)]
+                    steps = step + 1
+                    for index, count in enumerate(counts):
+                        if step < count:
+                            if tally is not None:
+                                tally.completion_tokens += 1
+                            yield index, piece
+            finally:
+                self._cache_output(plan, counts, steps)
+
+    def _prefill(self, plan: _Plan) -> int:
+        """Look the request's prompts up in the prefix cache and cache them.
+
+        vLLM runs each prompt and each of its ``n`` choices as one engine
+        request: each is looked up (the second choice finds what the first
+        cached). Returns the prompt tokens left to compute.
+        """
+        cache = self._cache
+        uncached = 0
+        for prompt in plan.prompts:
+            for _ in range(plan.n):
+                hits = 0
+                if cache is not None:
+                    if plan.read_cache:
+                        hits = cache.look_up(prompt.ids, plan.cache_salt)
+                    cache.insert(prompt.ids, plan.cache_salt)
+                uncached += len(prompt.ids) - hits
+        return uncached
+
+    def _cache_output(self, plan: _Plan, counts: list[int], steps: int) -> None:
+        """Cache the blocks its output filled, as vLLM does while it decodes.
+
+        The last token sampled has no KV yet: a prompt and its first ``k - 1``
+        output tokens are cached. So the next turn of a conversation, whose
+        prompt holds this reply, finds it.
+        """
+        if self._cache is None or not steps:
+            return
+        for index, prompt in enumerate(plan.prompts):
+            produced = min(steps, max(counts[index * plan.n : (index + 1) * plan.n]))
+            size = len(self._output_ids)
+            output = [self._output_ids[i % size] for i in range(produced - 1)]
+            self._cache.insert([*prompt.ids, *output], plan.cache_salt)
 
     async def _stream(
         self,
@@ -1160,7 +1291,7 @@ class SimulatedEngine:
             for i in range(len(counts) if chat else 0)
         ]
         echoed = [False] * len(counts)
-        async for index, piece in self._tokens(counts, plan.priority):
+        async for index, piece in self._tokens(plan, counts):
             for role in roles:
                 yield role
             roles = []

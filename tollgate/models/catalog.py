@@ -26,6 +26,21 @@ class SimulatedEngineConfig(BaseModel):
     startup_s: float = Field(
         default=0.0, ge=0, le=600, description="Seconds the engine takes to start (a slow load)."
     )
+    prefix_cache_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Tokens its simulated prefix cache holds, least recently used evicted "
+        "first (0: no cache, every prompt computed in full).",
+    )
+    prefix_block_tokens: int = Field(
+        default=16, ge=1, description="Tokens per cached block (vLLM's --block-size)."
+    )
+    prefill_tokens_per_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Prompt tokens computed per second before the first token, cached ones "
+        "excepted (0: prefill is free).",
+    )
 
 
 class Price(BaseModel):
