@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 from aiohttp import web
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tollgate.runtime.ops import add_ops_routes
@@ -47,7 +47,7 @@ class _LoadCollector(Collector):
     def __init__(self, load: Callable[[], WorkerHeartbeat]) -> None:
         self.load = load
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         beat = self.load()
         model = beat.model
 
@@ -78,6 +78,40 @@ class _LoadCollector(Collector):
         for s in WorkerState:
             state.add_metric([model, s.value], 1.0 if beat.state is s else 0.0)
         yield state
+        yield from _prefix_cache(beat)
+
+
+def _prefix_cache(beat: WorkerHeartbeat) -> Iterator[Metric]:
+    """The engine's prefix-cache counters as it reports them, by model and worker.
+
+    Labelled by worker too: cache-aware routing is judged worker by worker,
+    and several local workers of one model can share a scrape target's host.
+    """
+    labels = ["model", "worker"]
+    values = [beat.model, beat.worker_id]
+    queries = CounterMetricFamily(
+        "tollgate_worker_prefix_cache_queries",
+        "Prompt tokens looked up in the engine's prefix cache.",
+        labels=labels,
+    )
+    hits = CounterMetricFamily(
+        "tollgate_worker_prefix_cache_hits",
+        "Prompt tokens found in the engine's prefix cache (not computed again).",
+        labels=labels,
+    )
+    rate = GaugeMetricFamily(
+        "tollgate_worker_prefix_cache_hit_rate",
+        "Prefix-cache hits / queries over the last 10 s, as the worker beats it.",
+        labels=labels,
+    )
+    if beat.prefix_cache_queries is not None and beat.prefix_cache_hits is not None:
+        queries.add_metric(values, beat.prefix_cache_queries)
+        hits.add_metric(values, beat.prefix_cache_hits)
+    if beat.prefix_cache_hit_rate is not None:
+        rate.add_metric(values, beat.prefix_cache_hit_rate)
+    yield queries
+    yield hits
+    yield rate
 
 
 def _loopback(peer: str | None) -> bool:
