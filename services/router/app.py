@@ -99,6 +99,7 @@ def create_app(
         workers = WorkerView(settings.heartbeat_misses)
         await workers.start(nc, common.subjects)
         dispatcher = Dispatcher(nc, topology, settings.router_id)
+        workers.on_beat = lambda beat: dispatcher.heard(beat.worker_id)
         await dispatcher.start(catalog.models, body_limit=settings.max_body_bytes)
         metrics.track(lambda: dispatcher.in_flight, lambda: dispatcher.queued)
         app[WORKERS] = workers

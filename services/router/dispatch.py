@@ -55,6 +55,7 @@ class Call:
         "queue",
         "request",
         "reservation",
+        "running_on",
         "seq",
         "started_at",
         "submitted_at",
@@ -71,6 +72,7 @@ class Call:
         self.worker_id: str | None = None
         # the worker whose direct lane it was sent to (cache-aware routing), if any
         self.direct_to: str | None = None
+        self.running_on: str | None = None  # the worker it counts as running on
         self.cancelled = False
         self.submitted_at = time.monotonic()
         self.started_at: float | None = None
@@ -97,8 +99,9 @@ class Dispatcher:
         self._unstarted: dict[str, dict[str, float]] = {}
         # calls sent to a worker's direct lane, not started yet: worker -> tokens
         self._direct: dict[str, set[str]] = {}
-        # when this router's calls started on each worker, recent ones (monotonic)
-        self._starts: dict[str, list[float]] = {}
+        # this router's calls running on each worker, now and when its latest beat came
+        self._running: dict[str, int] = {}
+        self._running_at_beat: dict[str, int] = {}
 
     async def start(self, model_ids: Iterable[str], body_limit: int | None = None) -> None:
         """Create the work queue and each model's worker consumer, then take chunks.
@@ -153,30 +156,41 @@ class Dispatcher:
 
     def started(self, call: Call) -> None:
         """A worker took the call: it no longer waits in the queue."""
-        first = self._unstarted.get(call.request.model, {}).pop(call.token, None) is not None
+        self._unstarted.get(call.request.model, {}).pop(call.token, None)
         if call.direct_to is not None:
             waiting = self._direct.get(call.direct_to)
             if waiting is not None:
                 waiting.discard(call.token)
                 if not waiting:
                     del self._direct[call.direct_to]
-        if first and call.worker_id is not None and call.started_at is not None:
-            starts = self._starts.setdefault(call.worker_id, [])
-            starts.append(call.started_at)
-            if len(starts) > 1024:
-                del starts[:512]
+        if call.running_on is None and call.worker_id is not None and call.token in self._calls:
+            call.running_on = call.worker_id
+            self._running[call.worker_id] = self._running.get(call.worker_id, 0) + 1
 
-    def load_since(self, worker_id: str, since: float) -> int:
-        """This router's calls a heartbeat received at ``since`` cannot count for ``worker_id``.
+    def _stopped(self, call: Call) -> None:
+        """The call no longer runs on its worker (over, or queued again)."""
+        worker_id, call.running_on = call.running_on, None
+        if worker_id is not None:
+            left = self._running.get(worker_id, 0) - 1
+            if left > 0:
+                self._running[worker_id] = left
+            else:
+                self._running.pop(worker_id, None)
 
-        Those sent to its direct lane and not started, and those started on it since.
+    def heard(self, worker_id: str) -> None:
+        """A heartbeat of ``worker_id`` arrived: its slots_used counts this router's calls now."""
+        self._running_at_beat[worker_id] = self._running.get(worker_id, 0)
+        if len(self._running_at_beat) > 10_000:  # workers come and go: keep the busy ones
+            self._running_at_beat = {w: n for w, n in self._running_at_beat.items() if n}
+
+    def busy(self, worker_id: str, slots_used: int) -> int:
+        """A worker's requests as far as this router can tell, from its latest ``slots_used``.
+
+        Other routers' calls as the beat counted them, plus this router's
+        running there now and sent to its direct lane and not started yet.
         """
-        starts = self._starts.get(worker_id)
-        if starts:
-            starts[:] = [at for at in starts if at > since]
-            if not starts:
-                del self._starts[worker_id]
-        return len(self._direct.get(worker_id, ())) + (len(starts) if starts else 0)
+        others = max(0, slots_used - self._running_at_beat.get(worker_id, 0))
+        return others + self._running.get(worker_id, 0) + len(self._direct.get(worker_id, ()))
 
     async def requeue(self, call: Call) -> None:
         """Queue a call again for another worker (its worker was lost before any output).
@@ -184,8 +198,9 @@ class Dispatcher:
         The new attempt has its own reply subject, so chunks that the lost
         worker may still send are dropped.
         """
-        self._calls.pop(call.token, None)
         self.started(call)
+        self._stopped(call)
+        self._calls.pop(call.token, None)
         call.direct_to = None  # to the shared queue: any worker
         attempt = call.request.attempt + 1
         call.token = f"{call.request.request_id}~{attempt}"
@@ -208,6 +223,8 @@ class Dispatcher:
                 f"The request is larger than the {self.nc.max_payload} bytes the bus carries."
             )
         self._calls[call.token] = call
+        if call.direct_to is not None:  # counted at once: the next call's choice sees it
+            self._direct.setdefault(call.direct_to, set()).add(call.token)
         subject = self.subjects.infer_lane(
             request.model,
             request.priority.value,
@@ -225,6 +242,7 @@ class Dispatcher:
                 await self.topology.ensure_work(self.js)
                 ack = await self.js.publish(subject, data, headers=headers, timeout=5)
         except BaseException as exc:
+            self.started(call)  # no longer waits for its worker
             self._calls.pop(call.token, None)
             if isinstance(exc, APIError) and exc.err_code in _QUEUE_FULL:
                 raise QueueFull(str(exc.description)) from None
@@ -234,8 +252,6 @@ class Dispatcher:
             raise
         call.seq = ack.seq
         self._unstarted.setdefault(request.model, {})[call.token] = time.monotonic()
-        if call.direct_to is not None:
-            self._direct.setdefault(call.direct_to, set()).add(call.token)
         await self._announce(request, subject)
 
     async def _announce(self, request: InferenceRequest, lane: str) -> None:
@@ -304,5 +320,6 @@ class Dispatcher:
         return sum(1 for call in self._calls.values() if call.worker_id is None)
 
     def finish(self, call: Call) -> None:
-        self._calls.pop(call.token, None)
         self.started(call)
+        self._stopped(call)
+        self._calls.pop(call.token, None)

@@ -143,7 +143,7 @@ class OpenAIServing:
             workers,
             enabled=settings.affinity == "prefix",
             load=settings.affinity_load,
-            mine=self._mine,
+            busy=dispatcher.busy,
         )
         self._ready_s: dict[str, float] = {}  # model -> latest measured time to ready
 
@@ -335,11 +335,6 @@ class OpenAIServing:
             # str(exc): a log record kept by a handler must not hold the call's frames
             log.warning("dispatch failed: %s: %s", type(exc).__name__, str(exc))
             raise self._unavailable("The model's queue cannot be reached. Please retry.") from None
-
-    def _mine(self, worker_id: str) -> int:
-        """This router's calls on ``worker_id`` that its latest heartbeat cannot count."""
-        seen = self.workers.get(worker_id)
-        return self.dispatcher.load_since(worker_id, seen.seen_at if seen else 0.0)
 
     def _unavailable(self, message: str) -> ServiceUnavailable:
         return ServiceUnavailable(

@@ -138,7 +138,14 @@ class WorkerConsumer:
         self._cancelled: dict[str, float] = {}
         self._slot_freed = asyncio.Event()
         self._arrival = asyncio.Event()
-        self.claims = WorkClaims(nc, subjects, model_id, fair=settings.fair_share)
+        self.claims = WorkClaims(
+            nc,
+            subjects,
+            model_id,
+            settings.worker_id,
+            fair=settings.fair_share,
+            spill_after_s=settings.spill_after_s,
+        )
         self.started_at = time.time()  # the process start, when the app knows it
         self._stopping = asyncio.Event()
         self.drained = asyncio.Event()  # set once a drain has finished every request
@@ -225,6 +232,9 @@ class WorkerConsumer:
             startup_s=self.startup_s,
             startup_parts=self.startup_parts or None,
             started_at=self.started_at,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
         )
 
     async def _send_heartbeat(self) -> None:
@@ -292,10 +302,12 @@ class WorkerConsumer:
             if claimed is None and self.claims.contended:
                 continue  # other workers won every race: requests still wait
             if claimed is None:
-                # Nothing waits: sleep until a router announces a request (or a
-                # second passes: an announcement can be lost).
+                # Nothing this worker may take: sleep until a router announces a
+                # request (or a second passes: an announcement can be lost), or
+                # until a request in another worker's direct lane spills.
+                ripe_in = self.claims.ripe_in()
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(1.0):
+                    async with asyncio.timeout(1.0 if ripe_in is None else min(1.0, ripe_in)):
                         await self._arrival.wait()
                 continue
             self._accept(claimed)

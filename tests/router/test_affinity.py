@@ -8,8 +8,10 @@ from collections import Counter
 import pytest
 
 from services.router.affinity import Affinity, Decision, affinity_key
+from services.router.dispatch import Call, Dispatcher
 from tollgate.runtime.workers import WorkerView
-from tollgate.wire.contracts import Endpoint, WorkerHeartbeat, WorkerState
+from tollgate.wire.contracts import Endpoint, InferenceRequest, WorkerHeartbeat, WorkerState
+from tollgate.wire.subjects import Subjects
 
 MODEL = "m"
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 20}
@@ -151,7 +153,7 @@ def test_a_full_worker_sends_its_keys_to_the_shared_queue() -> None:
 
 def test_requests_the_heartbeat_cannot_count_yet_fill_the_worker() -> None:
     sent = Counter({"w1": 3})
-    affinity = Affinity(view(beat("w1", used=1, total=4)), mine=lambda w: sent[w])
+    affinity = Affinity(view(beat("w1", used=1, total=4)), busy=lambda w, used: used + sent[w])
     assert affinity.choose(MODEL, b"k") == (None, Decision.FULL)
     sent["w1"] = 2
     assert affinity.choose(MODEL, b"k") == ("w1", Decision.DIRECT)
@@ -170,3 +172,56 @@ def test_off_and_keyless_requests_go_to_the_shared_queue() -> None:
     assert Affinity(view(beat("w1")), enabled=False).choose(MODEL, b"k") == (None, Decision.OFF)
     assert Affinity(view(beat("w1"))).choose(MODEL, None) == (None, Decision.NO_KEY)
     assert Affinity(view()).choose(MODEL, b"k") == (None, Decision.NO_WORKER)
+
+
+# -- what the router counts on a worker ------------------------------------------
+
+
+class _Topology:
+    subjects = Subjects()
+
+
+class _Bus:
+    def jetstream(self) -> None:
+        return None
+
+
+def started_call(dispatcher: Dispatcher, n: int, worker_id: str, direct: bool) -> Call:
+    request = InferenceRequest(
+        request_id=f"r{n}",
+        model=MODEL,
+        endpoint=Endpoint.CHAT,
+        body={},
+        reply_to="r",
+        enqueued_at=0.0,
+        start_by=1.0,
+        deadline=1.0,
+    )
+    call = Call(request)
+    call.direct_to = worker_id if direct else None
+    dispatcher._calls[call.token] = call
+    if direct:
+        dispatcher._direct.setdefault(worker_id, set()).add(call.token)
+    return call
+
+
+def test_the_router_counts_its_own_calls_exactly_and_others_from_the_beat() -> None:
+    dispatcher = Dispatcher(_Bus(), _Topology(), "r1")  # type: ignore[arg-type]  # no bus needed
+    calls = [started_call(dispatcher, n, "w1", direct=True) for n in range(3)]
+    assert dispatcher.busy("w1", slots_used=0) == 3  # sent, not started
+    for call in calls:
+        call.worker_id = "w1"
+        dispatcher.started(call)
+    assert dispatcher.busy("w1", slots_used=0) == 3  # running now
+    dispatcher.heard("w1")  # a beat that counts the three, and two of another router's
+    assert dispatcher.busy("w1", slots_used=5) == 5
+    dispatcher.finish(calls[0])
+    dispatcher.finish(calls[0])  # twice: counted once
+    assert dispatcher.busy("w1", slots_used=5) == 4
+    dispatcher.heard("w1")
+    assert dispatcher.busy("w1", slots_used=4) == 4
+    spilled = started_call(dispatcher, 9, "w1", direct=True)
+    spilled.worker_id = "w2"  # another worker took it from w1's lane
+    dispatcher.started(spilled)
+    assert dispatcher.busy("w1", slots_used=4) == 4
+    assert dispatcher.busy("w2", slots_used=0) == 1

@@ -131,7 +131,7 @@ class ScriptedWorker:
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel)
         await Topology(self.subjects).ensure_work(self.nc.jetstream())
-        claims = WorkClaims(self.nc, self.subjects, MODEL)
+        claims = WorkClaims(self.nc, self.subjects, MODEL, self.worker_id)
         await self._beat()
         self._beating = asyncio.create_task(self._beat_loop())
         self._tasks.append(asyncio.create_task(self._pull_loop(claims)))
