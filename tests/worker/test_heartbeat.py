@@ -1,0 +1,50 @@
+"""What a worker beats: its engine's numbers, read by heartbeat() (no bus needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.worker.consumer import WorkerConsumer
+from services.worker.engine import EngineStats
+from services.worker.settings import WorkerSettings
+from tollgate.wire.contracts import WorkerHeartbeat
+from tollgate.wire.subjects import Subjects
+
+
+class _Bus:
+    """What a consumer's constructor touches of a NATS connection; heartbeat() sends nothing."""
+
+    def jetstream(self) -> object:
+        return object()
+
+
+class _CountingEngine:
+    name = "simulated"
+    slots_total = 4
+    model_path = Path("/m")
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=1,
+            prefix_cache_queries=1200,
+            prefix_cache_hits=900,
+            prefix_cache_hit_rate=0.8,
+        )
+
+
+def test_the_heartbeat_carries_the_prefix_cache() -> None:
+    consumer = WorkerConsumer(
+        _Bus(),  # type: ignore[arg-type]
+        _CountingEngine(),  # type: ignore[arg-type]
+        WorkerSettings(worker_id="w1"),
+        Subjects("tg"),
+        "org/m",
+    )
+    beat = consumer.heartbeat()
+    assert (beat.prefix_cache_queries, beat.prefix_cache_hits) == (1200, 900)
+    assert beat.prefix_cache_hit_rate == 0.8
+    decoded = WorkerHeartbeat.model_validate_json(beat.model_dump_json())
+    assert decoded.prefix_cache_hits == 900
+    # a heartbeat from a worker that predates the fields still reads
+    older = beat.model_dump(exclude={"prefix_cache_queries", "prefix_cache_hits"})
+    assert WorkerHeartbeat.model_validate(older).prefix_cache_hits is None
