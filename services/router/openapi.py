@@ -246,7 +246,9 @@ def router_api(auth: bool = True) -> Api:
             description=f"{EDGE_RULES} The request waits in the model's queue until a worker "
             "has a free slot (at most TOLLGATE_ROUTER_QUEUE_TIMEOUT_S, then 503; longer while "
             "a worker for the model is starting). `X-Tollgate-Priority: interactive|batch` "
-            "chooses its class.",
+            "chooses its class. `X-Tollgate-Session: <id>` keeps a conversation's calls on the "
+            "worker that holds its prompt in its prefix cache (without it: the `user` field, "
+            "then the prompt's opening).",
         ),
         Operation(
             "POST",
