@@ -310,6 +310,8 @@ class WorkerConsumer:
                     async with asyncio.timeout(1.0 if ripe_in is None else min(1.0, ripe_in)):
                         await self._arrival.wait()
                 continue
+            if self.metrics is not None:
+                self.metrics.claims.labels(self.model_id, claimed.source).inc()
             self._accept(claimed)
         with contextlib.suppress(Exception):
             await sub.unsubscribe()

@@ -31,6 +31,13 @@ class WorkerMetrics:
             ["model", "outcome"],
             registry=self.registry,
         )
+        self.claims = Counter(
+            "tollgate_worker_claims_total",
+            "Requests this worker took from the work queue, by where they waited: direct (its "
+            "own direct lane), shared, or spilled (another worker's direct lane, after the wait).",
+            ["model", "source"],
+            registry=self.registry,
+        )
         self.tokens = Counter(
             "tollgate_worker_tokens_total",
             "Tokens of the requests this worker ended (rate() gives tokens/s).",

@@ -54,6 +54,12 @@ async def test_worker_metrics_count_what_it_served(
         for k in ("prompt", "completion")
     }
     assert kinds == {"prompt": prompt, "completion": completion}
+    # where they waited: cache-aware routing sends to the one worker while it has room
+    claims = {
+        source: got.get(("tollgate_worker_claims_total", (*m, ("source", source))), 0)
+        for source in ("direct", "shared", "spilled")
+    }
+    assert sum(claims.values()) == 5 and claims["direct"] >= 1 and claims["spilled"] == 0, claims
     assert got[("tollgate_worker_slots_total", m)] == 4
     assert got[("tollgate_worker_slots_used", m)] == 0
     total = got[("tollgate_worker_startup_seconds", m)]
