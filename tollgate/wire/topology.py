@@ -238,7 +238,8 @@ class Topology:
         # and delete it, and whoever deletes it runs it. No consumer: a pull
         # consumer hands out messages in arrival order only.
         self.work = StreamSpec(
-            "requests waiting for a worker, one subject per lane (model, class, tenant, key)",
+            "requests waiting for a worker, one subject per lane (model, class, tenant, key; "
+            "and a worker's direct lanes)",
             s.infer_stream,
             (s.infer_all,),
             StorageType.MEMORY,
