@@ -29,11 +29,11 @@ Each worker's KV cache is capped at ``KV_BLOCKS`` blocks with vLLM's
 profiled memory by the override's blocks for every platform). vLLM's CPU
 backend uses blocks of 128 tokens; SmolLM2-135M keeps 30 layers x 3 KV heads
 x 64 dims x (K and V) x 2 bytes (bfloat16) = 23,040 bytes a token, so a block
-is 2.9 MB and the cap 96 x 128 = 12,288 tokens. A tenant's prefixes in play
-are its system prompt (about 8 full blocks) and its open conversation's
-earlier turns (up to about 3 more): about 11 blocks a tenant, 132 for twelve
-tenants. That is more than one worker holds and fits in both together; with
-``prefix`` each worker holds only its own tenants' (about 66 blocks), with
+is 2.9 MB and the cap 56 x 128 = 7,168 tokens. A tenant's prefixes in play
+are its system prompt (8 full blocks) and its open conversation's earlier
+turns (about 2 more): about 10 blocks a tenant, 80 for eight tenants. That
+is more than one worker holds and fits in both together; with ``prefix``
+each worker holds only its own tenants' (about 40 blocks), with
 ``off`` each sees all of them and evicts. (Only full blocks are cached, and
 blocks of running requests stay in use, so the figures are approximate; the
 run prints the measured ones.)
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -68,16 +69,17 @@ from bench import procs as P
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
-TENANTS = 12
-CONVERSATIONS = 2  # per tenant and round, one after the other
-TURNS = 4
+TENANTS = 8
+CONVERSATIONS = 1  # per tenant and round, one after the other
+TURNS = 3
 SYSTEM_TOKENS = 1100
 QUESTION_WORDS = 16
-REPLY_TOKENS = 32
+REPLY_TOKENS = 16
 CONCURRENCY = 4  # client slots, all tenants together
 SLOTS = 4  # each worker's max_num_seqs
 BLOCK_TOKENS = 128  # vLLM's KV-cache block on the CPU backend
-KV_BLOCKS = 96  # each worker's KV cache: 12,288 tokens
+KV_BLOCKS = 56  # each worker's KV cache: 7,168 tokens
+TAIL_BLOCKS = 2  # a conversation's earlier turns, beyond its system prompt's blocks
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2  # layers x KV heads x head dim x (K, V) x bfloat16
 POLICIES = ("prefix", "off")
 
@@ -553,6 +555,9 @@ def bench_routing(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any
                 [sys.executable, "-m", "services.worker", "--model", MODEL],
                 **role_env(Role.WORKER),
                 TOLLGATE_WORKER_PORT=str(port),
+                # one core each: left to itself, vLLM binds every engine to core 0
+                # and keeps core 1 for the front ends
+                VLLM_CPU_OMP_THREADS_BIND=str(n % max(1, os.cpu_count() or 1)),
             )
         asyncio.run(wait_workers(url, access, 2))
         start_s = time.monotonic() - started
@@ -580,6 +585,7 @@ def bench_routing(work: Path, env: dict[str, str], quick: bool) -> dict[str, Any
             "max_num_seqs": SLOTS,
             "block_tokens": BLOCK_TOKENS,
             "kv_blocks": KV_BLOCKS,
+            "tail_blocks": TAIL_BLOCKS,
             "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
             "kv_cache_tokens": kv_tokens,
             "workers_start_s": start_s,
@@ -622,6 +628,7 @@ def render(r: dict[str, Any]) -> list[str]:
     reported = [t for t in r.get("kv_cache_tokens", []) if t]
     kv_mib = kv_tokens * r["kv_bytes_per_token"] / 2**20
     system_blocks = r["system_tokens"] // r["block_tokens"]
+    tail = r.get("tail_blocks", 2)
     lines = [
         f"## {TITLE}",
         "",
@@ -650,7 +657,7 @@ def render(r: dict[str, Any]) -> list[str]:
         + f", at {r['kv_bytes_per_token']:,} bytes a token (30 layers x 3 KV heads x 64 "
         f"dims x K and V x 2 bytes): {kv_mib:.0f} MiB. A tenant's prefixes in play are its "
         f"system prompt ({system_blocks} full blocks) and its open conversation's earlier turns "
-        f"(up to about 3 blocks more): about {r['tenants'] * (system_blocks + 3)} blocks for all "
+        f"(about {tail} blocks more): about {r['tenants'] * (system_blocks + tail)} blocks for all "
         f"tenants, more than one worker's {r['kv_blocks']} and less than both workers' "
         f"{2 * r['kv_blocks']}. With `prefix` each worker keeps its own tenants' prefixes; with "
         "`off` each sees every tenant's and evicts them before they come back.",
