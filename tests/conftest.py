@@ -423,6 +423,7 @@ class HeartbeatWatch:
                 self._changed.notify_all()
 
         await self.nc.subscribe(self.subjects.heartbeat_all, cb=on_beat)
+        await self.nc.flush()  # the server has the subscription: no beat sent from now is missed
         return self
 
     async def __aexit__(self, *exc: object) -> None:
