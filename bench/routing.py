@@ -29,11 +29,12 @@ Each worker's KV cache is capped at ``KV_BLOCKS`` blocks with vLLM's
 profiled memory by the override's blocks for every platform). vLLM's CPU
 backend uses blocks of 128 tokens; SmolLM2-135M keeps 30 layers x 3 KV heads
 x 64 dims x (K and V) x 2 bytes (bfloat16) = 23,040 bytes a token, so a block
-is 2.9 MB and the cap 56 x 128 = 7,168 tokens. A tenant's prefixes in play
+is 2.9 MB and the cap 72 x 128 = 9,216 tokens. A tenant's prefixes in play
 are its system prompt (8 full blocks) and its open conversation's earlier
-turns (about 2 more): about 10 blocks a tenant, 80 for eight tenants. That
-is more than one worker holds and fits in both together; with ``prefix``
-each worker holds only its own tenants' (about 40 blocks), with
+turns (about 3 more by the sixth turn): about 11 blocks a tenant, 88 for
+eight tenants. That is more than one worker holds and fits in both together;
+with ``prefix`` each worker holds only its own tenants' (about 44 blocks
+at an even split, 66 when the hashing splits the tenants six to two), with
 ``off`` each sees all of them and evicts. (Only full blocks are cached, and
 blocks of running requests stay in use, so the figures are approximate; the
 run prints the measured ones.)
@@ -71,15 +72,15 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
 TENANTS = 8
 CONVERSATIONS = 1  # per tenant and round, one after the other
-TURNS = 3
+TURNS = 6
 SYSTEM_TOKENS = 1100
 QUESTION_WORDS = 16
 REPLY_TOKENS = 16
 CONCURRENCY = 4  # client slots, all tenants together
 SLOTS = 4  # each worker's max_num_seqs
 BLOCK_TOKENS = 128  # vLLM's KV-cache block on the CPU backend
-KV_BLOCKS = 56  # each worker's KV cache: 7,168 tokens
-TAIL_BLOCKS = 2  # a conversation's earlier turns, beyond its system prompt's blocks
+KV_BLOCKS = 72  # each worker's KV cache: 9,216 tokens
+TAIL_BLOCKS = 3  # a conversation's earlier turns, beyond its system prompt's blocks
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2  # layers x KV heads x head dim x (K, V) x bfloat16
 POLICIES = ("prefix", "off")
 
