@@ -103,6 +103,7 @@ def _up(ns: argparse.Namespace) -> int:
         auth_port=ns.auth_port,
         metering_port=ns.metering_port,
         scaler_port=ns.scaler_port,
+        nats_monitor_port=ns.nats_monitor_port,
         models=models,
     )
     try:
@@ -481,6 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--auth-port", type=int, default=8081, help="the auth service's port")
     up.add_argument("--metering-port", type=int, default=8082, help="the metering service's port")
     up.add_argument("--scaler-port", type=int, default=8083, help="the scaler's port")
+    up.add_argument(
+        "--nats-monitor-port",
+        type=int,
+        help="serve nats-server's monitoring endpoints (/varz, /jsz) on this loopback port",
+    )
     up.add_argument(
         "--model", action="append", help="model to keep warm, at one worker or more (repeatable)"
     )

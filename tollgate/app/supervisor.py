@@ -132,6 +132,7 @@ class Stack:
         auth_port: int,
         metering_port: int = 8082,
         scaler_port: int = 8083,
+        nats_monitor_port: int | None = None,
         models: list[str],
     ) -> None:
         self.common = common
@@ -143,6 +144,8 @@ class Stack:
         self.auth_port = auth_port
         self.metering_port = metering_port
         self.scaler_port = scaler_port
+        # nats-server's HTTP monitoring (/varz, /connz, /jsz) on loopback, off by default
+        self.nats_monitor_port = nats_monitor_port
         self.models = models
         self.var = common.var_dir.resolve()
         self.base_url = f"http://{host}:{self.port}/v1"
@@ -261,6 +264,7 @@ class Stack:
                     "127.0.0.1",
                     "-p",
                     str(self.nats_port),
+                    *(["-m", str(self.nats_monitor_port)] if self.nats_monitor_port else []),
                 ],
                 self._env(),
                 logs / "nats.log",
@@ -290,6 +294,11 @@ class Stack:
             ("auth admin API", "127.0.0.1", self.auth_port, "--auth-port"),
             ("metering service", "127.0.0.1", self.metering_port, "--metering-port"),
             ("scaler", "127.0.0.1", self.scaler_port, "--scaler-port"),
+            *(
+                [("NATS monitoring", "127.0.0.1", self.nats_monitor_port, "--nats-monitor-port")]
+                if self.nats_monitor_port
+                else []
+            ),
         )
         for what, host, port, flag in ports:
             if not port_free(host, port):
