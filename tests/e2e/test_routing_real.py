@@ -27,7 +27,11 @@ from tollgate.wire import codec
 from tollgate.wire.contracts import UsageEvent, WorkerHeartbeat
 from tollgate.wire.subjects import Subjects
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.usefixtures("real_worker")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(900),
+    pytest.mark.usefixtures("api_key", "real_worker"),  # the stack's signing key, then the worker
+]
 
 TENANT = "routing-real"
 TURNS = 6
