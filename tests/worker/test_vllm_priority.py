@@ -10,6 +10,7 @@ first.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,13 @@ INTERACTIVE = ENGINE_PRIORITY[Priority.INTERACTIVE]
 BATCH = ENGINE_PRIORITY[Priority.BATCH]
 
 
+# An engine start takes about a minute here; one in a long run of engine tests
+# was once seen to stall after its engine core had loaded (the core idle, the
+# start never returning). A stalled start is shown (every task's stack) and
+# made once more, so that the test fails on the scheduling it checks.
+START_S = 300
+
+
 @pytest.fixture(scope="module")
 async def engine(prepared_model: Path) -> AsyncIterator[VllmEngine]:
     entry = ModelEntry(
@@ -37,18 +45,43 @@ async def engine(prepared_model: Path) -> AsyncIterator[VllmEngine]:
         source="file:///unused",
         max_model_len=512,
         # one slot: a second request waits in vLLM's queue
-        engine_args=["--max-num-seqs", "1", "--dtype", "bfloat16", "--seed", "0"],
+        engine_args=[
+            "--max-num-seqs",
+            "1",
+            "--dtype",
+            "bfloat16",
+            "--seed",
+            "0",
+            "--enforce-eager",
+        ],
     )
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setenv(PARENT_ENV, "")  # set by the engine's start; not left to later tests
-        eng = VllmEngine(entry, prepared_model)
+        eng = await _started(entry, prepared_model)
         try:
-            await eng.start()
             yield eng
         finally:
             await eng.stop()
             kill_engine_processes()
+
+
+async def _started(entry: ModelEntry, path: Path, tries: int = 2) -> VllmEngine:
+    for attempt in range(1, tries + 1):
+        eng = VllmEngine(entry, path)
+        try:
+            async with asyncio.timeout(START_S):
+                await eng.start()
+            return eng
+        except TimeoutError:
+            if attempt == tries:
+                raise
+            print(f"engine start stalled for {START_S} s; its tasks:", file=sys.stderr)
+            for task in asyncio.all_tasks():
+                task.print_stack(file=sys.stderr)
+            await eng.stop()
+            kill_engine_processes()
+    raise AssertionError("unreachable")
 
 
 def completion(priority: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
