@@ -272,7 +272,7 @@ def bench_stack(
                     stats = asyncio.run(run_load(direct, [body()] * counts[1], 1, stream=False))
                     tallies.setdefault(("direct", 1), Tally()).add(stats, {}, {})
             print(f"stack: round {r + 1} of {rounds} done", flush=True)
-    out: dict[str, Any] = {"baseline": rev, "baseline_commit": commit, "rounds": rounds}
+    out: dict[str, Any] = {"baseline_rev": rev, "baseline_commit": commit, "rounds": rounds}
     for (name, concurrency), tally in tallies.items():
         out.setdefault(name, {})[f"c{concurrency}"] = tally.summary()
     return out
