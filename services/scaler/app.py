@@ -37,6 +37,9 @@ from tollgate.wire.topology import Role, Topology
 
 log = logging.getLogger("tollgate.scaler")
 
+# The least time between two rounds of decisions that arrivals woke.
+_MIN_TICK_GAP_S = 0.2
+
 SCALER = web.AppKey("scaler", object)
 
 
@@ -115,9 +118,12 @@ class Scaler:
 
     async def _loop(self) -> None:
         while True:
+            started = time.monotonic()
             for model in self.entries:
                 try:
                     await self.tick(model)
+                    # a model without a ready worker wakes the loop on each arrival
+                    await self.signals.follow_arrivals(model, self._last[model].ready == 0)
                 except Exception:
                     log.exception("scaling decision failed", extra={"model": model})
             self.signals.arrived.clear()
@@ -125,6 +131,8 @@ class Scaler:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.tick_s):
                     await self.signals.arrived.wait()
+            # a burst of arrivals during a cold start wakes a few ticks, not one each
+            await asyncio.sleep(max(0.0, _MIN_TICK_GAP_S - (time.monotonic() - started)))
 
     async def gather(self, model: str) -> Signals:
         now_mono = time.monotonic()

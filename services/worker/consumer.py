@@ -147,6 +147,7 @@ class WorkerConsumer:
             spill_after_s=settings.spill_after_s,
         )
         self.started_at = time.time()  # the process start, when the app knows it
+        self.tokens_total = 0  # prompt + completion tokens of the requests it has finished
         self._stopping = asyncio.Event()
         self.drained = asyncio.Event()  # set once a drain has finished every request
         self._tasks: list[asyncio.Task[None]] = []
@@ -235,6 +236,7 @@ class WorkerConsumer:
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            tokens_total=self.tokens_total,
         )
 
     async def _send_heartbeat(self) -> None:
@@ -406,6 +408,7 @@ class WorkerConsumer:
             self._generating.discard(request.request_id)
         if usage is None:
             usage = tally.usage()
+        self.tokens_total += usage.prompt_tokens + usage.completion_tokens
         # Counted and logged first: the router has answered the client once it
         # has the END, before its acknowledgement comes back.
         if self.metrics is not None:

@@ -1,4 +1,4 @@
-"""The scaler learns of each queued request from a small arrival event, never the body."""
+"""A model without a ready worker wakes the scaler on each arrival (no body); others do not."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ async def test_arrivals_wake_the_scaler_without_request_bodies(nats_server: Nats
     try:
         signals = BusSignals(scaler_nc, SUBJECTS)
         await signals.start()
+        await signals.follow_arrivals(MODEL, True)  # as for a model with no ready worker
         await scaler_nc.flush()
         dispatcher = Dispatcher(router_nc, Topology(SUBJECTS), "r1")
         await dispatcher.start([MODEL])
@@ -51,6 +52,37 @@ async def test_arrivals_wake_the_scaler_without_request_bodies(nats_server: Nats
         # three prompts of 1 MB each went to the work queue; the scaler got kilobytes
         assert scaler_nc.stats["in_bytes"] - before < 10_000
         assert await signals.queued(MODEL) == 3
+    finally:
+        await router_nc.close()
+        await scaler_nc.close()
+
+
+async def test_a_model_with_ready_workers_costs_the_scaler_nothing_per_request(
+    nats_server: NatsServer,
+) -> None:
+    """Not followed: its arrivals never reach the scaler; the queue is read on the tick."""
+    subjects = Subjects("arrivals-off")
+    router_nc = await nats_server.connect(name="test-router")
+    scaler_nc = await nats_server.connect(name="test-scaler")
+    try:
+        signals = BusSignals(scaler_nc, subjects)
+        await signals.start()
+        await signals.follow_arrivals(MODEL, True)
+        await signals.follow_arrivals(MODEL, False)  # a worker became ready
+        assert not signals.following(MODEL)
+        await scaler_nc.flush()
+        dispatcher = Dispatcher(router_nc, Topology(subjects), "r1")
+        await dispatcher.start([MODEL])
+        received = scaler_nc.stats["in_msgs"]
+        for i in range(5):
+            await dispatcher.submit(request(i, dispatcher.reply_subject(f"req-{i}")))
+        await router_nc.flush()
+        assert await signals.queued(MODEL) == 5  # what the tick reads instead
+        await scaler_nc.flush()
+        # the five arrivals were published, and none of them reached the scaler
+        assert router_nc.stats["out_msgs"] >= 5
+        assert signals.view(MODEL).arrivals == 0
+        assert scaler_nc.stats["in_msgs"] - received <= 2  # the queue query's own reply
     finally:
         await router_nc.close()
         await scaler_nc.close()

@@ -9,8 +9,9 @@ import uuid
 import pytest
 
 from services.scaler.settings import ScalerSettings
-from services.scaler.signals import BusSignals
+from services.scaler.signals import BusSignals, ModelView
 from tests.conftest import NatsServer
+from tollgate.runtime.workers import WorkerView
 from tollgate.wire import codec
 from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
 from tollgate.wire.subjects import Subjects
@@ -65,3 +66,26 @@ async def test_model_view_from_heartbeats_on_the_bus(nats_server: NatsServer) ->
         assert signals.view("org/other").live(now) == []
     finally:
         await nc.close()
+
+
+def test_tokens_per_second_from_the_workers_token_counters() -> None:
+    """Each beat's growth of tokens_total counts; a first sight or a stop counts nothing."""
+    workers = WorkerView(3)
+    view = ModelView("org/m", workers)
+
+    def seen(worker_id: str, tokens: int | None, state: WorkerState = WorkerState.READY) -> None:
+        b = beat(worker_id, state).model_copy(update={"tokens_total": tokens})
+        workers.observe(b)
+        BusSignals._count_tokens(view, b)
+
+    seen("w1", 50_000)  # first sight (the scaler just started): where w1 counts from
+    seen("w2", 0)
+    assert view.tokens_per_s(time.monotonic()) == 0
+    seen("w1", 50_600)
+    seen("w2", 600)
+    seen("w2", 600)  # no growth
+    assert view.tokens_per_s(time.monotonic()) == pytest.approx(1200 / 60)
+    seen("w2", None, WorkerState.STOPPED)
+    assert "w2" not in view.served
+    seen("w2", 900)  # a worker id seen again starts over
+    assert view.tokens_per_s(time.monotonic()) == pytest.approx(1200 / 60)

@@ -230,6 +230,12 @@ class WorkerHeartbeat(_Contract):
         description="Hits / queries over the last 10 seconds (a few heartbeats); None when "
         "no prompt token was looked up then, or the engine does not report its cache.",
     )
+    tokens_total: int | None = Field(
+        default=None,
+        ge=0,
+        description="Prompt + completion tokens of the requests it has finished since it "
+        "started: the scaler's tokens per second, without reading every usage event.",
+    )
 
 
 # Bounds every reader of a usage event applies (the contract's own validation):

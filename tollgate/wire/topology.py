@@ -225,7 +225,6 @@ class Topology:
             StorageType.FILE,
             writers=_roles(R.ROUTER),
             readers=_roles(R.METERING, R.AUTH),
-            listeners=_roles(R.SCALER),  # tokens per second, for its signals
             duplicate_window_s=DEDUPE_WINDOW_S,
             contract=c.UsageEvent,
         )
