@@ -1,7 +1,9 @@
 """Budget accounting from usage events.
 
 A durable consumer reads every usage event once and adds its tokens to the
-key's spend for the period (KV ``tg_spend``). Each spend entry remembers the
+key's spend for the period (KV ``tg_spend``). Most keys have no budget: the
+watch of the keys bucket that keeps the key counts also knows which, and
+their events are acked without reading the key's record. Each spend entry remembers the
 stream sequence of the last event it counted, so a redelivered event is not
 counted twice. A key whose spend reaches its budget is marked over budget in
 its record (every router then refuses it at once); when a new period starts,
@@ -167,6 +169,11 @@ class BudgetLedger:
 
     async def count(self, event: UsageEvent, seq: int) -> None:
         if event.key_id is None:
+            return
+        if self.metrics is not None and event.key_id in self.metrics.key_counts.unbudgeted:
+            # Known from the watch to have no budget: nothing to count, nothing
+            # to read. A budget set meanwhile counts from the moment the watch
+            # shows it, as it counts from the moment the record has it.
             return
         record = await self.store.get(event.key_id)
         if record is None or record.budget_tokens is None or record.budget_period is None:

@@ -42,29 +42,36 @@ class AuthMetrics:
 
 
 class KeyCounts:
-    """Keys by state, kept current from a watch of the keys bucket.
+    """Keys by state, and which have no budget, kept current from a watch of the keys bucket.
 
     The ``tollgate_auth_keys`` gauge follows every create, change and
     revocation as the bucket announces it, so a scrape reads nothing from
-    NATS, however many keys there are.
+    NATS, however many keys there are. The budget ledger skips the usage
+    events of keys known to have no budget without reading their record.
     """
 
     def __init__(self, gauge: Gauge) -> None:
         self.gauge = gauge
         self.states: dict[str, KeyState] = {}
+        self.unbudgeted: set[str] = set()  # keys whose record sets no budget
         self.synced = asyncio.Event()  # the bucket's current keys are all counted
         self._show()
 
     def apply(self, key_id: str, value: bytes | None) -> None:
         """One bucket entry: a record (its state), or None for a removed key."""
+        self.unbudgeted.discard(key_id)
         if value is None:
             self.states.pop(key_id, None)
         else:
             try:
-                self.states[key_id] = KeyRecord.model_validate_json(value).state
+                record = KeyRecord.model_validate_json(value)
             except ValueError:
                 log.error("malformed key record not counted", extra={"key_id": key_id})
                 self.states.pop(key_id, None)
+            else:
+                self.states[key_id] = record.state
+                if not _has_budget(record):
+                    self.unbudgeted.add(key_id)
         self._show()
 
     def _show(self) -> None:
@@ -93,11 +100,13 @@ class KeyCounts:
         while True:
             try:
                 watcher = await kv.watchall()
-                snapshot: dict[str, KeyState] | None = {}
+                snapshot: dict[str, KeyRecord] | None = {}
                 async for entry in watcher:
                     if entry is None:  # the bucket's current keys are all in
                         if snapshot is not None:
-                            self.states, snapshot = snapshot, None
+                            self.states = {k: r.state for k, r in snapshot.items()}
+                            self.unbudgeted = {k for k, r in snapshot.items() if not _has_budget(r)}
+                            snapshot = None
                             self._show()
                             self.synced.set()
                         continue
@@ -109,9 +118,13 @@ class KeyCounts:
                         snapshot.pop(entry.key, None)
                     else:
                         with contextlib.suppress(ValueError):
-                            snapshot[entry.key] = KeyRecord.model_validate_json(value).state
+                            snapshot[entry.key] = KeyRecord.model_validate_json(value)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # NATS restarting: watch again from the start
                 log.warning("watch of the keys bucket failed: %s: %s", type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
+
+
+def _has_budget(record: KeyRecord) -> bool:
+    return record.budget_tokens is not None and record.budget_period is not None

@@ -145,6 +145,37 @@ async def test_each_stream_sequence_is_counted_once_in_memory(
     assert list(spend.entries) == [f"k1.{window}"]
 
 
+async def test_a_key_the_watch_shows_without_a_budget_is_not_read(
+    in_memory: tuple[BudgetLedger, FakeKeys, FakeSpend, Topology],
+) -> None:
+    """Its events cost no key lookup; a key given a budget is read and counted again."""
+    ledger, keys, spend, _ = in_memory
+    assert ledger.metrics is not None
+    counts = ledger.metrics.key_counts
+    for record in keys.records.values():  # as the keys bucket's watch delivers them
+        counts.apply(record.key_id, record.model_dump_json().encode())
+    assert counts.unbudgeted == {"k2"}
+    reads: list[str] = []
+    get = keys.get
+
+    async def counted_get(key_id: str) -> KeyRecord | None:
+        reads.append(key_id)
+        return await get(key_id)
+
+    keys.get = counted_get  # type: ignore[method-assign]
+    window = budget_window("day", time.time())
+    await ledger.count(usage("k2", 50, 50), 1)
+    await ledger.count(usage("k1", 5, 5), 2)
+    assert reads == ["k1"] and list(spend.entries) == [f"k1.{window}"]
+    # k2 gets a budget: the watch shows it, and its events count from then on
+    budgeted = keys.records["k2"].model_copy(update={"budget_tokens": 10, "budget_period": "day"})
+    keys.records["k2"] = budgeted
+    counts.apply("k2", budgeted.model_dump_json().encode())
+    assert counts.unbudgeted == set()
+    await ledger.count(usage("k2", 3, 4), 3)
+    assert reads == ["k1", "k2"] and spend.tokens(f"k2.{window}") == 7
+
+
 async def test_a_malformed_event_is_skipped_and_the_budget_marked_in_memory(
     in_memory: tuple[BudgetLedger, FakeKeys, FakeSpend, Topology],
 ) -> None:
