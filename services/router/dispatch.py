@@ -51,6 +51,7 @@ class Call:
         "captured",
         "delivered",
         "direct_to",
+        "end_msg",
         "first_output_at",
         "queue",
         "request",
@@ -83,6 +84,9 @@ class Call:
         self.delivered: Usage | None = None
         # The relayed output, kept only when this call's exchange is captured.
         self.captured: list[str] | None = None
+        # The worker's final report (END, a request), acknowledged once the
+        # call's usage event is journaled (:meth:`Dispatcher.acknowledge_end`).
+        self.end_msg: Msg | None = None
 
 
 class Dispatcher:
@@ -139,8 +143,19 @@ class Dispatcher:
         except Exception:
             log.error("malformed chunk dropped", extra={"request_id": token})
             return
+        if msg.reply:  # the END: acknowledged once this router has billed the call
+            call.end_msg = msg
         call.queue.put_nowait(chunk)
-        if msg.reply:  # the END: this router has it, and bills the call
+
+    async def acknowledge_end(self, call: Call) -> None:
+        """Tell the worker its final report is billed (the call's event is in the outbox).
+
+        Until then the worker keeps waiting for this, and without it (this
+        router died first) keeps the report in the orphans bucket, from which
+        this router's next run bills the call with the engine's own counts.
+        """
+        msg, call.end_msg = call.end_msg, None
+        if msg is not None:
             with contextlib.suppress(Exception):  # not acknowledged: the worker keeps it
                 await msg.respond(b"")
 

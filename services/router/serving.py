@@ -548,8 +548,10 @@ class OpenAIServing:
         if call.started_at is not None:
             self.drain_meter.served(request.model, now - call.started_at)
         # The event first: settling waits on the bus, and a shutdown that cuts
-        # this task short must not cost the usage event.
+        # this task short must not cost the usage event. Only once it is in
+        # the outbox does the worker hear that its final report is billed.
         self._record(event)
+        await self.dispatcher.acknowledge_end(call)
         if call.captured is not None and self.capturer is not None:
             self.capturer.emit(
                 event, prepared.endpoint, prepared.body, call.captured, event.finish_reason
