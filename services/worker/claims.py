@@ -11,12 +11,13 @@ worker with a free slot:
    plus one for each arrival a router announces in a lane since (so a worker
    that keeps up takes each request without reading the counts again);
 2. picks a lane by fair share (:class:`~services.worker.fairshare.FairShare`),
-   counting a direct lane under its shared lane's class, tenant and key, or,
-   with fair share off, takes the oldest request whatever its lane (first
-   come, first served). Either way it takes from its own direct lane before
-   the shared one, and from another worker's direct lane only once the
-   request there has waited ``spill_after_s`` (that worker is busy, draining
-   or gone: the request spills to every worker);
+   counting a direct lane under its shared lane's class, tenant and key, and
+   taking from its own direct lane before the shared one within that group;
+   or, with fair share off, takes the oldest request of its own direct lanes
+   and the shared ones (first come, first served). Either way it takes from
+   another worker's direct lane only once the request there has waited
+   ``spill_after_s`` (that worker is busy, draining or gone: the request
+   spills to every worker);
 3. reads that lane's oldest request (a direct get) and deletes it. The
    delete is the claim: of several workers that read the same request, the
    one whose delete succeeds runs it; the others read the next one.
@@ -95,6 +96,7 @@ class WorkClaims:
         self._ripe_at: dict[str, float] = {}
         self._read_at = 0.0
         self._stale = True
+        self._shared_waiting = False  # first come, first served: shared lanes hold requests
         self._prefix = self.lanes[:-1]  # "tg.infer.<model>."
         # True when the last take gave up after losing every race to other
         # workers: requests still wait
@@ -129,6 +131,12 @@ class WorkClaims:
                 else:
                     self._stale = True  # a wildcard (first come, first served) found nothing
                 continue
+            if not self.fair and subject == self._mine and self._shared_waiting:
+                # first come, first served: the older of its own direct lanes' and
+                # the shared lanes' oldest requests
+                shared = await self._oldest(self._shared)
+                if shared is not None and shared[0] < got[0]:
+                    got = shared
             seq, claimed = got
             if claimed.source == "spilled" and not self._spills(claimed):
                 continue  # the request there is younger than the wait: its worker may take it
@@ -175,9 +183,10 @@ class WorkClaims:
             shared = shared or source == "shared"
             if source == "spilled":
                 spilling.setdefault(lane.group, subject)
-        if not self.fair:  # first come, first served: own lanes, shared ones, then spills
+        if not self.fair:  # first come, first served: own and shared lanes, then spills
+            self._shared_waiting = shared
             if own and self._mine is not None:
-                return self._mine
+                return self._mine  # and the shared lanes' oldest, if older (see take)
             if shared:
                 return self._shared
             return next(iter(spilling.values()), None)

@@ -302,21 +302,36 @@ def direct(tenant: str, worker_id: str, model: str, key: str = "k1") -> str:
     return S.infer_lane(model, "interactive", tenant, key, worker_id)
 
 
-@pytest.mark.parametrize("fair", [True, False], ids=["fair", "fifo"])
 async def test_a_worker_takes_its_own_direct_lane_before_the_shared_one(
-    router: NATS, worker: NATS, server: NatsServer, fair: bool
+    router: NATS, worker: NATS, server: NatsServer
 ) -> None:
-    model = f"sim/claims-direct-{'fair' if fair else 'fifo'}"
+    model = "sim/claims-direct-fair"
     shared = lane("acme", model=model)
     mine = direct("acme", "w-1", model)
     await publish(router, [shared, shared, mine])
-    claims = WorkClaims(worker, S, model, "w-1", fair=fair)
+    claims = WorkClaims(worker, S, model, "w-1")
     taken = [await claims.take() for _ in range(3)]
     assert [(c.subject, c.source) for c in taken if c is not None] == [
         (mine, "direct"),
         (shared, "shared"),
         (shared, "shared"),
     ]
+    assert await queued(server, model) == 0
+
+
+async def test_without_fair_share_a_direct_request_does_not_jump_the_queue(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    """First come, first served: the oldest of its own direct lanes' and the shared ones'."""
+    model = "sim/claims-direct-fifo"
+    shared = lane("acme", model=model)
+    mine = direct("globex", "w-1", model)
+    bodies = await publish(router, [shared, mine, shared, mine])
+    claims = WorkClaims(worker, S, model, "w-1", fair=False)
+    taken = [await claims.take() for _ in range(4)]
+    assert [c.data for c in taken if c is not None] == bodies
+    assert [c.source for c in taken if c is not None] == ["shared", "direct"] * 2
+    assert await claims.take() is None
     assert await queued(server, model) == 0
 
 
