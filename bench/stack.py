@@ -42,8 +42,8 @@ from bench import procs as P
 from bench.load import RunStats, run_load
 from tests.lib.net import free_port
 
-# The commit before the stack's per-request costs were cut (issue: control
-# plane cheaper than the data plane); ``--baseline`` overrides it.
+# The commit before the stack's per-request costs were cut (the scaler's and
+# the budget ledger's); ``--baseline`` overrides it.
 BASELINE = "51c1874361392c7531768be30a2eacc3756c9cd2"
 MODEL = "sim/stack"
 CATALOG = f"""
