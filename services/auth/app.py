@@ -97,7 +97,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     except KeyRevokedError:
         return _error(409, "This key is revoked; a revoked key cannot be changed.", "key_revoked")
     except ValidationError as exc:
-        first = exc.errors()[0]
+        first = exc.errors(include_input=False, include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"])
         return _error(400, f"Invalid value for '{where}': {first['msg']}.", "invalid_request")
     except ValueError as exc:
@@ -158,7 +158,10 @@ async def _body(request: web.Request, model: type[BaseModel]) -> Any:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise ValueError("The body must be valid JSON.") from None
-    return model.model_validate(data)
+    try:
+        return model.model_validate(data)
+    except RecursionError:  # a value nested deeper than its error can be described
+        raise ValueError("The body is nested too deeply.") from None
 
 
 async def create_key(request: web.Request) -> web.Response:

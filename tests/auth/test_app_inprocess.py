@@ -211,3 +211,16 @@ async def test_a_fair_share_setting_no_key_can_hold_is_a_400_naming_it(
     if value is not None:  # a new key cannot have it either
         r = await client.post("/admin/keys", json={"tenant": "acme", field: value}, headers=ADMIN)
         assert r.status == 400 and field in (await r.json())["error"]["message"]
+
+
+async def test_a_value_nested_a_thousand_deep_is_a_400_not_a_500(
+    client: TestClient,  # type: ignore[type-arg]
+) -> None:
+    # within what a JSON reader takes (1,024 levels), past Python's recursion limit
+    deep = '{"a": ' * 1000 + "{}" + "}" * 1000
+    body = f'{{"tenant": "acme", "priority": {deep}}}'.encode()
+    r = await client.post(
+        "/admin/keys", data=body, headers={**ADMIN, "Content-Type": "application/json"}
+    )
+    assert r.status == 400, await r.text()
+    assert (await r.json())["error"]["type"] == "invalid_request_error"
