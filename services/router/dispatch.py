@@ -54,6 +54,7 @@ class Call:
         "end_msg",
         "first_output_at",
         "queue",
+        "reconnects",
         "request",
         "reservation",
         "running_on",
@@ -87,6 +88,9 @@ class Call:
         # The worker's final report (END, a request), acknowledged once the
         # call's usage event is journaled (:meth:`Dispatcher.acknowledge_end`).
         self.end_msg: Msg | None = None
+        # the router's NATS reconnects when it was queued: a worker that looks
+        # lost after one may only have been out of this router's sight
+        self.reconnects = 0
 
 
 class Dispatcher:
@@ -165,6 +169,7 @@ class Dispatcher:
         With ``worker_id``, to that worker's direct lane (cache-aware routing).
         """
         call = Call(request)
+        call.reconnects = int(self.nc.stats["reconnects"])
         call.direct_to = worker_id
         await self._publish(call)
         return call

@@ -463,11 +463,16 @@ class OpenAIServing:
         as if the first had never taken it; it is billed once, when it ends
         (``attempts`` 2).
         """
+        nc = self.dispatcher.nc
         if (
             call.first_output_at is not None
             or call.cancelled
             or call.request.attempt >= 1
             or call.worker_id is None
+            # this router was cut off from NATS meanwhile: the worker may still
+            # be running the call, and a second run would not be billed
+            or not nc.is_connected
+            or nc.stats["reconnects"] != call.reconnects
         ):
             return False
         lost = call.worker_id
