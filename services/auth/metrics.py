@@ -70,7 +70,7 @@ class KeyCounts:
                 self.states.pop(key_id, None)
             else:
                 self.states[key_id] = record.state
-                if not _has_budget(record):
+                if not record.has_budget:
                     self.unbudgeted.add(key_id)
         self._show()
 
@@ -105,7 +105,7 @@ class KeyCounts:
                     if entry is None:  # the bucket's current keys are all in
                         if snapshot is not None:
                             self.states = {k: r.state for k, r in snapshot.items()}
-                            self.unbudgeted = {k for k, r in snapshot.items() if not _has_budget(r)}
+                            self.unbudgeted = {k for k, r in snapshot.items() if not r.has_budget}
                             snapshot = None
                             self._show()
                             self.synced.set()
@@ -124,7 +124,3 @@ class KeyCounts:
             except Exception as exc:  # NATS restarting: watch again from the start
                 log.warning("watch of the keys bucket failed: %s: %s", type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
-
-
-def _has_budget(record: KeyRecord) -> bool:
-    return record.budget_tokens is not None and record.budget_period is not None

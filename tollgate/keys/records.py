@@ -96,13 +96,18 @@ class KeyRecord(BaseModel):
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.models for name in names)
 
     @property
+    def has_budget(self) -> bool:
+        """Whether a token budget applies (an amount and its period)."""
+        return self.budget_tokens is not None and self.budget_period is not None
+
+    @property
     def limited(self) -> bool:
         """Whether any limit applies (unlimited keys skip the shared counters)."""
         return (
             self.max_concurrent is not None
             or self.rpm is not None
             or self.tpm is not None
-            or (self.budget_tokens is not None and self.budget_period is not None)
+            or self.has_budget
         )
 
     def usable(self, now: float) -> bool:
