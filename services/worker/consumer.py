@@ -148,6 +148,9 @@ class WorkerConsumer:
         )
         self.started_at = time.time()  # the process start, when the app knows it
         self.tokens_total = 0  # prompt + completion tokens of the requests it has finished
+        # Set while the engine's start holds the event loop: the beat sent before
+        # says the next one may be this late, so routers keep holding calls for it.
+        self.silent_for_s: float | None = None
         self._stopping = asyncio.Event()
         self.drained = asyncio.Event()  # set once a drain has finished every request
         self._tasks: list[asyncio.Task[None]] = []
@@ -228,7 +231,7 @@ class WorkerConsumer:
             slots_total=self.engine.slots_total,
             queue=stats.waiting,
             kv_cache_usage=stats.kv_cache_usage,
-            interval_s=self.settings.heartbeat_interval_s,
+            interval_s=max(self.settings.heartbeat_interval_s, self.silent_for_s or 0.0),
             sent_at=time.time(),
             startup_s=self.startup_s,
             startup_parts=self.startup_parts or None,
@@ -238,6 +241,13 @@ class WorkerConsumer:
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             tokens_total=self.tokens_total,
         )
+
+    async def fall_silent(self, seconds: float) -> None:
+        """Say that the next beat may come ``seconds`` late (until ``silent_for_s`` is reset)."""
+        self.silent_for_s = seconds
+        await self._send_heartbeat()
+        with contextlib.suppress(Exception):
+            await self.nc.flush(timeout=2)  # out before the event loop stops
 
     async def _send_heartbeat(self) -> None:
         beat = self.heartbeat()

@@ -130,6 +130,9 @@ class Engine(Protocol):
     name: str
     slots_total: int
     model_path: Path  # the prepared weights it serves
+    # Whether start() holds the event loop (no heartbeats) until the engine has
+    # loaded: the worker then says beforehand how long it may be silent.
+    start_blocks_loop: bool
 
     async def start(self) -> None: ...
 
@@ -151,6 +154,7 @@ class LoadingEngine:
     """
 
     slots_total = 0
+    start_blocks_loop = False
 
     def __init__(self, name: str, model_path: Path) -> None:
         self.name = name

@@ -834,6 +834,7 @@ class SimulatedEngine:
         self.config: SimulatedEngineConfig = entry.simulated
         self.model_path = model_path
         self.slots_total = self.config.max_num_seqs
+        self.start_blocks_loop = self.config.startup_blocks
         self._slots = _Slots(self.slots_total)
         self._cache = (
             _PrefixCache(self.config.prefix_cache_tokens, self.config.prefix_block_tokens)
@@ -858,7 +859,11 @@ class SimulatedEngine:
         config = self.model_path / "config.json"
         vocab = orjson.loads(config.read_bytes()).get("vocab_size") if config.exists() else None
         self._vocab_size = int(vocab) if isinstance(vocab, int) else len(self._tokenizer)
-        await asyncio.sleep(self.config.startup_s)  # a slow engine load, when configured
+        # a slow engine load, when configured; one that holds the event loop as vLLM's does
+        if self.config.startup_blocks:
+            time.sleep(self.config.startup_s)  # noqa: ASYNC251 (holding the loop is the point)
+        else:
+            await asyncio.sleep(self.config.startup_s)
 
     async def stop(self) -> None:
         return None

@@ -199,6 +199,7 @@ class TallyingEngineClient:
 
 class VllmEngine:
     name = "vllm"
+    start_blocks_loop = True  # building the engine client waits for the engine core
 
     def __init__(self, entry: ModelEntry, model_path: Path) -> None:
         self.entry = entry

@@ -140,3 +140,15 @@ def test_a_starting_worker_stays_known_through_a_silence_longer_than_its_window(
     assert view.starting("org/a") == []  # ready: no longer starting
     clock.now += 31
     assert view.starting("org/b") == []  # silent past the bound: forgotten
+
+
+def test_a_starting_worker_that_said_it_falls_silent_is_held_for_through_its_silence() -> None:
+    clock = Clock()
+    view = WorkerView(misses=3, clock=clock)
+    # vLLM's engine start holds the worker's event loop: its last beat says so
+    view.observe(beat("w1", state=WorkerState.STARTING, interval_s=120.0))
+    view.observe(beat("w2", state=WorkerState.STARTING, interval_s=1.0))
+    clock.now += 90  # past the 30 s bound, inside w1's own window (3 x 120 s)
+    assert [b.worker_id for b in view.starting("org/a")] == ["w1"]
+    clock.now += 300
+    assert view.starting("org/a") == []  # silent past its own window too: forgotten

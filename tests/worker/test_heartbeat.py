@@ -48,3 +48,18 @@ def test_the_heartbeat_carries_the_prefix_cache() -> None:
     # a heartbeat from a worker that predates the fields still reads
     older = beat.model_dump(exclude={"prefix_cache_queries", "prefix_cache_hits"})
     assert WorkerHeartbeat.model_validate(older).prefix_cache_hits is None
+
+
+def test_a_worker_whose_engine_start_holds_its_loop_says_how_long_it_may_be_silent() -> None:
+    consumer = WorkerConsumer(
+        _Bus(),  # type: ignore[arg-type]
+        _CountingEngine(),  # type: ignore[arg-type]
+        WorkerSettings(worker_id="w1", heartbeat_interval_s=1.0),
+        Subjects("tg"),
+        "org/m",
+    )
+    assert consumer.heartbeat().interval_s == 1.0
+    consumer.silent_for_s = 120.0  # what fall_silent sets before the engine starts
+    assert consumer.heartbeat().interval_s == 120.0
+    consumer.silent_for_s = None  # ready: beats every second again
+    assert consumer.heartbeat().interval_s == 1.0

@@ -26,6 +26,11 @@ class SimulatedEngineConfig(BaseModel):
     startup_s: float = Field(
         default=0.0, ge=0, le=600, description="Seconds the engine takes to start (a slow load)."
     )
+    startup_blocks: bool = Field(
+        default=False,
+        description="The start holds the worker's event loop (no heartbeats meanwhile), as "
+        "vLLM's engine client build does.",
+    )
     prefix_cache_tokens: int = Field(
         default=0,
         ge=0,

@@ -124,9 +124,17 @@ class WorkerView:
         ]
 
     def starting(self, model: str, within_s: float = 30.0) -> list[WorkerHeartbeat]:
-        """Latest beats of the model's workers that are starting, heard from within ``within_s``."""
+        """Latest beats of the model's starting workers, heard from within ``within_s``.
+
+        Or within the worker's own window, when its last beat said the next one
+        comes later (a worker whose engine start holds its event loop says so).
+        """
         now = self.clock()
-        gone = [wid for wid, seen in self._starting.items() if now - seen.seen_at > within_s]
+        gone = [
+            wid
+            for wid, seen in self._starting.items()
+            if now - seen.seen_at > max(within_s, seen.window(self.misses))
+        ]
         for wid in gone:
             del self._starting[wid]
         return [seen.beat for seen in self._starting.values() if seen.beat.model == model]
