@@ -318,6 +318,7 @@ class OpenAIServing:
             priority=priority,
             tenant_weight=self.settings.tenant_weights.get(tenant or "anonymous", 1.0),
             key_weight=key_weight,
+            compact_reply=True,
         )
         key = affinity_key(
             prepared.endpoint, prepared.body, session, self.settings.affinity_prefix_chars
@@ -411,26 +412,27 @@ class OpenAIServing:
                 raise WorkerLost("The response stream from the worker was interrupted.")
             expected += 1
             kind = chunk.kind
-            if kind is ChunkKind.START:
+            if call.worker_id is None and chunk.worker_id is not None:
+                # START, or a compact reply's first chunk (the call ended before
+                # its START was due: see InferenceRequest.compact_reply)
                 call.worker_id = chunk.worker_id
                 call.started_at = time.monotonic()
                 self.dispatcher.started(call)
                 self.drain_meter.taken(model)
                 if held_since is not None and self.metrics is not None:
                     self.metrics.cold_start_hold.labels(model).observe(loop.time() - held_since)
+            if kind is ChunkKind.START:
                 continue
+            if kind is ChunkKind.END and chunk.data is not None:
+                # a compact reply's body rides on its END: relayed as its DATA first
+                body = ResponseChunk.model_construct(
+                    request_id=chunk.request_id, seq=chunk.seq, kind=ChunkKind.DATA, data=chunk.data
+                )
+                self._relayed(call, prepared, span, body)
+                yield body
+                chunk.data = None
             if kind is ChunkKind.DATA:
-                if call.first_output_at is None:
-                    call.first_output_at = time.monotonic()
-                if chunk.usage is not None:
-                    call.delivered = chunk.usage
-                if call.captured is not None and chunk.data is not None:
-                    call.captured.append(chunk.data)
-                if span is not None and chunk.data is not None:
-                    if prepared.stream:
-                        span.response_event(chunk.data)
-                    else:
-                        span.response_body(chunk.data)
+                self._relayed(call, prepared, span, chunk)
             elif kind is ChunkKind.ERROR and span is not None:
                 span.worker_error(chunk.data or "")
             if kind is ChunkKind.USAGE and not prepared.wants_usage:
@@ -440,6 +442,23 @@ class OpenAIServing:
             yield chunk
             if kind is ChunkKind.END:
                 return
+
+    @staticmethod
+    def _relayed(
+        call: Call, prepared: Prepared, span: tracing.InferenceSpan | None, chunk: ResponseChunk
+    ) -> None:
+        """Note a DATA chunk on its way to the client: first output, counts, capture, trace."""
+        if call.first_output_at is None:
+            call.first_output_at = time.monotonic()
+        if chunk.usage is not None:
+            call.delivered = chunk.usage
+        if call.captured is not None and chunk.data is not None:
+            call.captured.append(chunk.data)
+        if span is not None and chunk.data is not None:
+            if prepared.stream:
+                span.response_event(chunk.data)
+            else:
+                span.response_body(chunk.data)
 
     def _hold(self, entry: ModelEntry, now: float, deadline: float) -> float | None:
         """Until when (loop time) a request may wait for the model's starting workers.

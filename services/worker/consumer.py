@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from services.worker.claims import Claimed, WorkClaims
 from services.worker.engine import (
     Engine,
+    EngineResult,
     ErrorResult,
     FullResult,
     StreamResult,
@@ -35,6 +36,7 @@ from tollgate.runtime.logs import request_id_var
 from tollgate.wire import codec
 from tollgate.wire.contracts import (
     ENGINE_PRIORITY,
+    START_HOLD_S,
     Arrival,
     CancelRequest,
     ChunkKind,
@@ -62,12 +64,16 @@ END_ACK_TIMEOUT_S = 3.0
 class _Reply:
     """Publishes one request's chunks in order."""
 
-    def __init__(self, nc: NATS, request: InferenceRequest) -> None:
+    def __init__(self, nc: NATS, request: InferenceRequest, worker_id: str | None = None) -> None:
         self.nc = nc
         self.request = request
+        self.worker_id = worker_id
         self.seq = 0
 
     def _chunk(self, kind: ChunkKind, **fields: object) -> bytes:
+        if self.seq == 0 and self.worker_id is not None:
+            # START, or the first chunk of a compact reply that had none
+            fields.setdefault("worker_id", self.worker_id)
         chunk = ResponseChunk(
             request_id=self.request.request_id,
             seq=self.seq,
@@ -382,26 +388,35 @@ class WorkerConsumer:
         request_id_var.set(request.request_id)
         tally = TokenTally()
         current_tally.set(tally)
-        reply = _Reply(self.nc, request)
+        reply = _Reply(self.nc, request, self.worker_id)
         started = time.monotonic()
         self._generating.add(request.request_id)
         outcome = Outcome.COMPLETED
         usage: Usage | None = None
         finish: str | None = None
+        # A compact reply (non-stream, and the router reads it): START only if
+        # the engine has not answered within START_HOLD_S, the body on END.
+        compact = request.compact_reply and not request.body.get("stream")
+        body_on_end: str | None = None
         try:
-            await reply.send(ChunkKind.START, worker_id=self.worker_id)
+            if not compact:
+                await reply.send(ChunkKind.START)
             timeout = max(0.0, request.deadline - time.time())
             async with asyncio.timeout(timeout):
                 # The class reaches the engine as its own request priority,
                 # whatever priority the client put in the body.
                 body = {**request.body, "priority": ENGINE_PRIORITY[request.priority]}
-                result = await self.engine.run(request.endpoint, body, request.request_id)
+                running = self.engine.run(request.endpoint, body, request.request_id)
+                result = await (self._started(reply, running) if compact else running)
                 if isinstance(result, ErrorResult):
                     outcome = Outcome.ERROR
                     await reply.send(ChunkKind.ERROR, data=result.body, status=result.status)
                 elif isinstance(result, FullResult):
                     usage, finish = result.usage, result.finish_reason
-                    await reply.send(ChunkKind.DATA, data=result.body)
+                    if compact:
+                        body_on_end = result.body
+                    else:
+                        await reply.send(ChunkKind.DATA, data=result.body)
                 else:
                     await self._relay_stream(reply, result, tally)
                     usage, finish = result.usage, result.finish_reason
@@ -441,10 +456,24 @@ class WorkerConsumer:
                 outcome=outcome,
                 finish_reason=finish,
                 worker_id=self.worker_id,
+                data=body_on_end,
             )
         )
         self._reporting.add(report)
         report.add_done_callback(self._reporting.discard)
+
+    @staticmethod
+    async def _started(reply: _Reply, running: Awaitable[EngineResult]) -> EngineResult:
+        """The engine's result; the call's START goes out once START_HOLD_S passes without it."""
+        task = asyncio.ensure_future(running)
+        try:
+            done, _ = await asyncio.wait((task,), timeout=START_HOLD_S)
+            if not done:
+                await reply.send(ChunkKind.START)
+            return await task
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _relay_stream(self, reply: _Reply, result: StreamResult, tally: TokenTally) -> None:
         events = result.events

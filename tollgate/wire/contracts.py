@@ -39,6 +39,10 @@ class Priority(StrEnum):
 # The engine's own request priority for each class (vLLM: lower runs first).
 ENGINE_PRIORITY = {Priority.INTERACTIVE: 0, Priority.BATCH: 10}
 
+# How long a worker may hold back a compact reply's START (see
+# InferenceRequest.compact_reply): a call answered by then needs one message.
+START_HOLD_S = 0.05
+
 
 class InferenceRequest(_Contract):
     """A call waiting in a model's work-queue stream for a worker."""
@@ -67,6 +71,12 @@ class InferenceRequest(_Contract):
     )
     attempt: int = Field(
         default=0, ge=0, le=8, description="0; 1 when queued again after its worker was lost."
+    )
+    compact_reply: bool = Field(
+        default=False,
+        description="The router reads compact replies: a non-stream call that ends within "
+        "START_HOLD_S of its start may have no START (its first chunk carries worker_id), and "
+        "a non-stream body may ride on END instead of a DATA chunk before it.",
     )
 
 
@@ -157,10 +167,14 @@ class ResponseChunk(_Contract):
     kind: ChunkKind = Field(description="What the chunk carries.")
     data: str | None = Field(
         default=None,
-        description="Serving-layer output: one SSE event ('data: ...\\n\\n') or a JSON body.",
+        description="Serving-layer output: one SSE event ('data: ...\\n\\n') or a JSON body "
+        "(on DATA; on END of a compact reply, the non-stream body).",
     )
     status: int | None = Field(default=None, description="HTTP status for ERROR chunks.")
-    worker_id: str | None = Field(default=None, description="Set on START and END: who runs it.")
+    worker_id: str | None = Field(
+        default=None,
+        description="Set on START and END: who runs it (a compact reply without START: END).",
+    )
     usage: Usage | None = Field(
         default=None,
         description="On END: the engine's counts. On streamed DATA: the counts so far.",
