@@ -1,9 +1,12 @@
 """Budget accounting from usage events.
 
-A durable consumer reads every usage event once and adds its tokens to the
-key's spend for the period (KV ``tg_spend``). Most keys have no budget: the
-watch of the keys bucket that keeps the key counts also knows which, and
-their events are acked without reading the key's record. Each spend entry remembers the
+A durable consumer reads every usage event of a key with a token budget once
+and adds its tokens to the key's spend for the period (KV ``tg_spend``). Most
+keys have no budget: routers publish their events on ``…usage.<tenant>.plain``,
+which this consumer does not read (``….budget`` is what it reads). A budget
+set on a key while its calls run counts from its next call; the watch of the
+keys bucket that keeps the key counts also knows which keys have none, and an
+event of such a key is acked without reading the key's record. Each spend entry remembers the
 stream sequence of the last event it counted, so a redelivered event is not
 counted twice. A key whose spend reaches its budget is marked over budget in
 its record (every router then refuses it at once); when a new period starts,
@@ -78,6 +81,13 @@ class BudgetLedger:
     async def open(self) -> None:
         await self.topology.ensure_stream(self.js, self.topology.usage, Role.AUTH)
         self.spend = await self.topology.bucket(self.js, self.topology.spend)
+        # Created here, or brought to this shape: a consumer made before the
+        # usage subjects told budget keys' events apart read every event.
+        consumer = self.topology.auth_budget
+        await self.js.add_consumer(consumer.stream, self._consumer_config())
+
+    def _consumer_config(self) -> Any:
+        return self.topology.auth_budget.config(max_ack_pending=10_000)
 
     async def spent(self, key_id: str, window: str) -> int:
         with contextlib.suppress(KeyNotFoundError):
@@ -92,7 +102,7 @@ class BudgetLedger:
             consumer.filter_subject,
             stream=control.stream(self.topology.usage),
             durable=consumer.durable,
-            config=consumer.config(max_ack_pending=10_000),
+            config=self._consumer_config(),
             pull_sub=PullSub(batch_size=BATCH, timeout=BATCH_WINDOW_S, batch=True),
             # pulled batches arrive in this identity's own inbox namespace
             inbox_prefix=f"{inbox_prefix(self.topology, Role.AUTH)}.".encode(),

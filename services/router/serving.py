@@ -574,7 +574,9 @@ class OpenAIServing:
         # The event first: settling waits on the bus, and a shutdown that cuts
         # this task short must not cost the usage event. Only once it is in
         # the outbox does the worker hear that its final report is billed.
-        self._record(event)
+        self._record(
+            event, budget=call.reservation is not None and bool(call.reservation.budget_key)
+        )
         await self.dispatcher.acknowledge_end(call)
         if call.captured is not None and self.capturer is not None:
             self.capturer.emit(
@@ -590,9 +592,9 @@ class OpenAIServing:
             },
         )
 
-    def _record(self, event: UsageEvent) -> None:
+    def _record(self, event: UsageEvent, budget: bool = False) -> None:
         if self.usage is not None:
-            self.usage.emit(event)
+            self.usage.emit(event, budget)
         if self.metrics is not None:
             self.metrics.ended(event)
 

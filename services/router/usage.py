@@ -150,9 +150,13 @@ class UsagePublisher:
             },
         )
 
-    def emit(self, event: UsageEvent) -> None:
-        """Journal the event, then publish it in the background."""
-        subject = self.subjects.usage(event.tenant)
+    def emit(self, event: UsageEvent, budget: bool = False) -> None:
+        """Journal the event, then publish it in the background.
+
+        ``budget``: the key held a token budget when the call was accepted, so
+        the budget ledger counts the event too.
+        """
+        subject = self.subjects.usage(event.tenant, budget)
         data = codec.encode(event)
         self.outbox.add(event.request_id, subject, data)
         task = asyncio.create_task(self._publish(event.request_id, subject, data))
@@ -292,7 +296,8 @@ class LostCalls:
                 streamed=bool(record["streamed"]),
                 total_s=max(0.0, now - float(record["enqueued_at"])),
                 http_status=502,  # the client's connection broke with its router
-            )
+            ),
+            budget=bool((record.get("reservation") or {}).get("budget_key")),
         )
         del self.records[request_id]
         if self.settle is not None and record.get("reservation"):

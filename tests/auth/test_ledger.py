@@ -211,7 +211,7 @@ def test_the_ledgers_faststream_channel_is_in_the_bus_document() -> None:
     BudgetLedger(None, cast(KeyStore, FakeKeys()), topology, 3600).subscribe(broker)
     theirs = AsyncAPI(broker, schema_version="3.0.0").to_specification().to_jsonable()
     subjects = {c["address"] for c in theirs["channels"].values()}
-    assert subjects == {"tg.usage.*"}
+    assert subjects == {"tg.usage.*.budget"}
     ours = document(topology)
     assert ours["channels"]["usage"]["x-tollgate"]["stream"] == "TG_USAGE"
     consumer = ours["operations"]["auth.receives.usage"]["x-tollgate-consumer"]
@@ -366,3 +366,58 @@ def test_the_pull_loop_survives_every_timeout_a_fetch_raises() -> None:
     caught = stream_pull_subscriber.TimeoutError
     assert issubclass(asyncio.TimeoutError, caught)
     assert issubclass(NatsTimeoutError, caught)
+
+
+async def test_the_ledger_reads_only_budget_keys_events_and_updates_an_older_consumer(
+    nats_server: NatsServer,
+) -> None:
+    """Events of keys without a budget never reach the ledger's consumer.
+
+    A consumer made when the ledger read every usage event (filter
+    ``…usage.*``) is brought to the budget-only filter when the ledger opens.
+    """
+    topology = Topology(Subjects(f"ledger{uuid.uuid4().hex[:6]}"))
+    subjects = topology.subjects
+    nc = await nats_server.connect(name="test-ledger-split")
+    js = nc.jetstream()
+    try:
+        await topology.ensure(js, Role.AUTH)
+        consumer = topology.auth_budget
+        older = consumer.config(max_ack_pending=10_000)
+        older.filter_subject = f"{subjects.prefix}.usage.*"
+        await js.add_consumer(consumer.stream, older)
+        store = await KeyStore(js, topology, actor="test").open()
+        record = KeyRecord(key_id="k1", tenant="acme", budget_tokens=10**9, budget_period="day")
+        await store.keys.put(record.key_id, record.model_dump_json().encode())
+        key = f"k1.{budget_window('day', time.time())}"
+
+        ledger = BudgetLedger(js, store, topology, 3600)
+        await ledger.open()
+        info = await js.consumer_info(consumer.stream, consumer.durable)
+        assert info.config.filter_subject == subjects.usage_budget
+
+        async def publish(subject: str, event: UsageEvent) -> None:
+            await js.publish(
+                subject, codec.encode(event), headers={"Nats-Msg-Id": uuid.uuid4().hex}
+            )
+
+        for _ in range(5):  # routers sent these as the events of a key without a budget
+            await publish(subjects.usage("acme", budget=False), usage("k1", 100, 100))
+        await publish(subjects.usage("acme", budget=True), usage("k1", 10, 5))
+        info = await js.consumer_info(consumer.stream, consumer.durable)
+        assert info.num_pending == 1  # only the budget key's event waits for the ledger
+        stream = await js.stream_info(topology.usage.name)
+        assert stream.state.messages == 6  # metering has them all
+
+        broker = ControlBroker(nc, name="test-auth", graceful_timeout=10)
+        ledger.subscribe(broker)
+        await broker.start()
+
+        async def counted() -> bool:
+            return await spend_of(ledger.spend, key) == 15
+
+        await wait_for(counted, "the ledger did not count the budget key's event")
+        await broker.stop()
+        assert await spend_of(ledger.spend, key) == 15
+    finally:
+        await bus.close(nc)

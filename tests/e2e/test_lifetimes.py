@@ -217,7 +217,7 @@ async def test_the_calls_of_a_killed_router_are_billed_by_its_next_run(
     nc = await stack.nats.connect(name="test-lost-calls")
     try:
         js = nc.jetstream()
-        subject = Subjects().usage("demo")
+        subject = Subjects().usage_tenant("demo")
         deadline = time.monotonic() + 60
         events: list[UsageEvent] = []
         while time.monotonic() < deadline and not events:

@@ -397,7 +397,7 @@ async def test_every_ending_yields_exactly_one_row(meter_stack: MeterStack) -> N
     # drops them) and as new messages (the metering service skips them).
     nc = await ms.stack.nats.connect(name="test-replay")
     js = nc.jetstream()
-    events = [msg.data for msg in await read_subject(js, ms.subjects.usage(tenant))]
+    events = [msg.data for msg in await read_subject(js, ms.subjects.usage_tenant(tenant))]
     valid = [e for e in events if e.startswith(b"{") and b"request_id" in e]
     assert len(valid) == TOTAL
     duplicates_before = await ms.metric("tollgate_metering_events_duplicate_total")

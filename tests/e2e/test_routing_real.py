@@ -62,7 +62,7 @@ async def usage_events(stack: Stack, request_ids: list[str]) -> dict[str, UsageE
         while True:
             found = {
                 e.request_id: e
-                for m in await read_subject(js, Subjects().usage(TENANT))
+                for m in await read_subject(js, Subjects().usage_tenant(TENANT))
                 if (e := codec.decode(UsageEvent, m.data)).request_id in request_ids
             }
             if len(found) == len(request_ids) or time.monotonic() > deadline:

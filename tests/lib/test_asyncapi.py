@@ -95,7 +95,7 @@ def test_a_durable_consumer_is_on_its_readers_operation() -> None:
     doc = document(Topology(Subjects()))
     op = doc["operations"]["auth.receives.usage"]
     assert op["x-tollgate-consumer"]["durable"] == "auth-budget"
-    assert op["x-tollgate-consumer"]["filter_subject"] == "tg.usage.{tenant}"
+    assert op["x-tollgate-consumer"]["filter_subject"] == "tg.usage.{tenant}.budget"
     worker = doc["operations"]["worker.receives.infer"]
     assert "x-tollgate-consumer" not in worker  # workers claim: read, then delete
     assert "delete" in worker["x-tollgate-claim"]

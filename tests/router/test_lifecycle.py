@@ -243,7 +243,7 @@ class Router:
         await self.nc.flush()
         usage = [codec.decode(UsageEvent, m.data) for m in await _taken(self.usage_sub)]
         cancels = [codec.decode(CancelRequest, m.data) for m in await _taken(self.cancel_sub)]
-        stream = await read_subject(self.nc.jetstream(), self.subjects.usage("anonymous"))
+        stream = await read_subject(self.nc.jetstream(), self.subjects.usage("anonymous", False))
         stored = [codec.decode(UsageEvent, m.data) for m in stream]
         await self.nc.close()
         self.closed = Published(usage, stored, cancels)

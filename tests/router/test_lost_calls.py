@@ -16,6 +16,7 @@ from nats.js.errors import KeyNotFoundError
 
 from services.router.usage import LostCalls, Outbox
 from tollgate.wire import codec
+from tollgate.wire.subjects import Subjects
 from tollgate.wire.contracts import (
     ChunkKind,
     Outcome,
@@ -43,11 +44,13 @@ class Publisher:
     def __init__(self, outbox: Outbox) -> None:
         self.outbox = outbox
         self.events: list[UsageEvent] = []
+        self.budget: dict[str, bool] = {}  # request id -> sent for the budget ledger too
         self.changed = asyncio.Event()
 
-    def emit(self, event: UsageEvent) -> None:
-        self.outbox.add(event.request_id, "tg.usage.acme", codec.encode(event))
+    def emit(self, event: UsageEvent, budget: bool = False) -> None:
+        self.outbox.add(event.request_id, Subjects().usage("acme", budget), codec.encode(event))
         self.events.append(event)
+        self.budget[event.request_id] = budget
         self.changed.set()
 
     async def until(self, count: int) -> None:
@@ -129,6 +132,8 @@ async def test_each_open_call_is_billed_once_from_its_report_or_at_zero(tmp_path
         Outcome.ROUTER_LOST,
     )
     assert reported.tenant == "acme" and reported.key_id == "k1" and reported.streamed
+    # the key held a budget when the call was accepted: the budget ledger counts it too
+    assert publisher.budget == {"reported": True, "never-ran": False}
     # the reservation of the reported call is replaced by its real count
     assert settled == [({"tokens": 500, "tpm_key": "tpm.k1.1", "budget_key": "k1.total"}, 56)]
     # billed calls are closed; the one still running stays open for the next round or run

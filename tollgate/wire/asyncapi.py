@@ -58,6 +58,8 @@ _PARAMETER = {
     "request": "Request id.",
     "worker": "Worker id.",
     "key": "Key in the bucket.",
+    "readers": "budget: the call's key has a token budget, so the budget ledger reads the "
+    "event as well as metering; plain: metering alone.",
 }
 _PLACEHOLDER = re.compile(r"<(\w+)>")
 _MODEL = "<model>"

@@ -180,13 +180,28 @@ class Subjects:
     def heartbeat_all(self) -> str:
         return f"{self.prefix}.workers.*"
 
-    def usage(self, tenant: str) -> str:
-        """Usage events of one tenant (tenant ids are escaped like model ids)."""
-        return f"{self.prefix}.usage.{model_token(tenant)}"
+    def usage(self, tenant: str, budget: bool = True) -> str:
+        """Usage events of one tenant (tenant ids are escaped like model ids).
+
+        ``budget``: the call's key has a token budget, so the budget ledger
+        counts the event as well as metering (``.budget``); else metering
+        alone reads it (``.plain``), and the ledger never sees it.
+        """
+        return f"{self.prefix}.usage.{model_token(tenant)}.{'budget' if budget else 'plain'}"
+
+    def usage_tenant(self, tenant: str) -> str:
+        """Every usage event of one tenant, budget or not."""
+        return f"{self.prefix}.usage.{model_token(tenant)}.*"
 
     @property
     def usage_all(self) -> str:
-        return f"{self.prefix}.usage.*"
+        """Every usage event (and those of routers that named the tenant only)."""
+        return f"{self.prefix}.usage.>"
+
+    @property
+    def usage_budget(self) -> str:
+        """The usage events of keys with a token budget: what the budget ledger counts."""
+        return f"{self.prefix}.usage.*.budget"
 
     @property
     def usage_stream(self) -> str:

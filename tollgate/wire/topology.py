@@ -227,6 +227,9 @@ class Topology:
             readers=_roles(R.METERING, R.AUTH),
             duplicate_window_s=DEDUPE_WINDOW_S,
             contract=c.UsageEvent,
+            # <readers>: "budget" when the call's key has a token budget (the
+            # budget ledger reads those too), else "plain" (metering alone)
+            pattern=f"{s.prefix}.usage.<tenant>.<readers>",
         )
         # Requests live in memory: each belongs to an open client connection on
         # a router, so there is nothing to recover from disk after a NATS
@@ -367,7 +370,7 @@ class Topology:
             "usage events into the budget ledger",
             s.usage_stream,
             "auth-budget",
-            s.usage_all,
+            s.usage_budget,
             R.AUTH,
         )
         self.metering_capture = ConsumerSpec(
