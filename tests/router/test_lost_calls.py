@@ -16,7 +16,6 @@ from nats.js.errors import KeyNotFoundError
 
 from services.router.usage import LostCalls, Outbox
 from tollgate.wire import codec
-from tollgate.wire.subjects import Subjects
 from tollgate.wire.contracts import (
     ChunkKind,
     Outcome,
@@ -24,6 +23,7 @@ from tollgate.wire.contracts import (
     Usage,
     UsageEvent,
 )
+from tollgate.wire.subjects import Subjects
 
 
 class Orphans:
