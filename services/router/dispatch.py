@@ -37,10 +37,6 @@ log = logging.getLogger("tollgate.router.dispatch")
 # JetStream's refusals of a message that would pass the work queue's limits
 # (messages, bytes, messages per lane).
 _QUEUE_FULL = frozenset({10077, 10047, 10159})
-# After this router reconnects to NATS, how long (beyond a worker's heartbeat
-# window) its workers have to be heard again: they reconnect too, every half
-# second while the server is away.
-RECONNECT_GRACE_S = 2.0
 
 
 class QueueFull(Exception):
@@ -114,9 +110,6 @@ class Dispatcher:
         # this router's calls running on each worker, now and when its latest beat came
         self._running: dict[str, int] = {}
         self._running_at_beat: dict[str, int] = {}
-        # this router's NATS reconnects as last seen, and when (monotonic) they were seen
-        self._reconnects = 0
-        self._reconnected_at = float("-inf")
 
     async def start(self, model_ids: Iterable[str], body_limit: int | None = None) -> None:
         """Create the work queue and each model's worker consumer, then take chunks.
@@ -203,21 +196,6 @@ class Dispatcher:
                 self._running[worker_id] = left
             else:
                 self._running.pop(worker_id, None)
-
-    def blind(self, window: float) -> bool:
-        """Whether a worker silent for ``window`` may only have been out of this router's sight.
-
-        True while this router is cut off from NATS, and for ``window`` plus
-        :data:`RECONNECT_GRACE_S` once it is back: the worker's heartbeats did
-        not reach it meanwhile, and the worker may be running its call still.
-        """
-        if not self.nc.is_connected:
-            return True
-        reconnects = int(self.nc.stats["reconnects"])
-        now = time.monotonic()
-        if reconnects != self._reconnects:
-            self._reconnects, self._reconnected_at = reconnects, now
-        return now - self._reconnected_at < window + RECONNECT_GRACE_S
 
     def heard(self, worker_id: str) -> None:
         """A heartbeat of ``worker_id`` arrived: its slots_used counts this router's calls now."""

@@ -395,11 +395,7 @@ class OpenAIServing:
                         chunk = await queue.get()
                 except TimeoutError:
                     tick = self.settings.keepalive_interval_s
-                    if (
-                        call.worker_id is not None
-                        and not self.workers.alive(call.worker_id)
-                        and not self.dispatcher.blind(self.workers.window(call.worker_id))
-                    ):
+                    if call.worker_id is not None and not self.workers.alive(call.worker_id):
                         if await self._requeue(call):
                             expected = 0
                             continue
