@@ -36,6 +36,7 @@ from tollgate.runtime.logs import request_id_var
 from tollgate.wire import codec
 from tollgate.wire.contracts import (
     ENGINE_PRIORITY,
+    MAX_BEAT_INTERVAL_S,
     START_HOLD_S,
     Arrival,
     CancelRequest,
@@ -250,7 +251,7 @@ class WorkerConsumer:
 
     async def fall_silent(self, seconds: float) -> None:
         """Say that the next beat may come ``seconds`` late (until ``silent_for_s`` is reset)."""
-        self.silent_for_s = seconds
+        self.silent_for_s = min(seconds, MAX_BEAT_INTERVAL_S)
         await self._send_heartbeat()
         with contextlib.suppress(Exception):
             await self.nc.flush(timeout=2)  # out before the event loop stops

@@ -17,7 +17,7 @@ class WorkerSettings(BaseSettings):
 
     model: str = Field(default="SmolLM2-135M-Instruct", description="Catalog id to serve.")
     worker_id: str = Field(default_factory=_default_worker_id, description="Unique worker id.")
-    heartbeat_interval_s: float = Field(default=1.0, gt=0, description="Heartbeat period.")
+    heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60, description="Heartbeat period.")
     drain_timeout_s: float = Field(
         default=120.0, gt=0, description="How long SIGTERM waits for in-flight requests."
     )

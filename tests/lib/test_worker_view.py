@@ -152,3 +152,12 @@ def test_a_starting_worker_that_said_it_falls_silent_is_held_for_through_its_sil
     assert [b.worker_id for b in view.starting("org/a")] == ["w1"]
     clock.now += 300
     assert view.starting("org/a") == []  # silent past its own window too: forgotten
+
+
+def test_a_beat_cannot_keep_a_silent_worker_counted_for_more_than_an_hour() -> None:
+    """A worker (or anything that can publish beats) saying its next beat may be a day late
+    is refused as malformed, not kept as starting or alive for that day."""
+    wire = beat("w1", state=WorkerState.STARTING).model_dump(mode="json")
+    with pytest.raises(ValueError):
+        WorkerHeartbeat.model_validate({**wire, "interval_s": 86_400.0})
+    WorkerHeartbeat.model_validate({**wire, "interval_s": 3_600.0})  # an hour: accepted

@@ -63,3 +63,27 @@ def test_a_worker_whose_engine_start_holds_its_loop_says_how_long_it_may_be_sile
     assert consumer.heartbeat().interval_s == 120.0
     consumer.silent_for_s = None  # ready: beats every second again
     assert consumer.heartbeat().interval_s == 1.0
+
+
+async def test_a_silence_longer_than_a_beat_may_announce_is_announced_as_the_longest() -> None:
+    class _Sink(_Bus):
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        async def publish(self, subject: str, data: bytes) -> None:
+            self.sent.append(data)
+
+        async def flush(self, timeout: float) -> None:
+            return None
+
+    bus = _Sink()
+    consumer = WorkerConsumer(
+        bus,  # type: ignore[arg-type]
+        _CountingEngine(),  # type: ignore[arg-type]
+        WorkerSettings(worker_id="w1"),
+        Subjects("tg"),
+        "org/m",
+    )
+    await consumer.fall_silent(7_200.0)  # a catalog expecting a two-hour start
+    (sent,) = bus.sent
+    assert WorkerHeartbeat.model_validate_json(sent).interval_s == 3_600.0

@@ -39,6 +39,10 @@ class Priority(StrEnum):
 # The engine's own request priority for each class (vLLM: lower runs first).
 ENGINE_PRIORITY = {Priority.INTERACTIVE: 0, Priority.BATCH: 10}
 
+# The longest a heartbeat may say the next one can take (a worker whose engine
+# start holds its event loop says how long it may be silent).
+MAX_BEAT_INTERVAL_S = 3600.0
+
 # How long a worker may hold back a compact reply's START (see
 # InferenceRequest.compact_reply): a call answered by then needs one message.
 START_HOLD_S = 0.05
@@ -212,7 +216,12 @@ class WorkerHeartbeat(_Contract):
     slots_total: int = Field(description="Requests it runs at most at once (max_num_seqs).")
     queue: int = Field(default=0, description="Requests waiting inside its engine.")
     kv_cache_usage: float | None = Field(default=None, description="KV cache use, 0..1.")
-    interval_s: float = Field(description="Seconds until the next heartbeat.")
+    interval_s: float = Field(
+        gt=0,
+        le=MAX_BEAT_INTERVAL_S,
+        description="Seconds until the next heartbeat (at most an hour: a beat cannot keep a "
+        "silent worker counted for longer).",
+    )
     sent_at: float = Field(description="Unix time it was sent.")
     startup_s: float | None = Field(
         default=None, description="Once ready: seconds from the process start to ready."
