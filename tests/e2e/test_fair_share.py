@@ -190,10 +190,10 @@ async def test_a_full_queue_and_a_busy_key_answer_at_once_with_retry_after(
     filler, _ = await make_key(stack, tenant="fair-filler")
     async with httpx.AsyncClient(timeout=120) as http:
 
-        async def call(key: str) -> httpx.Response:
+        async def call(key: str, max_tokens: int = 20) -> httpx.Response:
             return await http.post(
                 f"{url}/v1/chat/completions",
-                json=BODY,
+                json={**BODY, "max_tokens": max_tokens},
                 headers={"Authorization": f"Bearer {key}"},
             )
 
@@ -207,9 +207,11 @@ async def test_a_full_queue_and_a_busy_key_answer_at_once_with_retry_after(
         assert [r.status_code for r in await asyncio.gather(*first)] == [200, 200]
         assert (await call(limited)).status_code == 200  # a slot of its own again
 
-        # The model's queue: eight running, four waiting, the next refused.
+        # The model's queue: eight running, four waiting, the next refused. The eight
+        # run ten seconds, so the four are still waiting however slowly a loaded
+        # machine shows the slots taken and the queue filled.
         async with HeartbeatWatch(stack.nats, Subjects()) as watch:
-            fill = [asyncio.create_task(call(filler)) for _ in range(SLOTS)]
+            fill = [asyncio.create_task(call(filler, max_tokens=100)) for _ in range(SLOTS)]
             await watch.wait_for(
                 lambda _: sum(b.slots_used for b in watch.ready(FAIR_MODEL)) == SLOTS
             )
