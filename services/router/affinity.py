@@ -38,6 +38,7 @@ import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from services.router.endpoints import SPECS
 from tollgate.runtime.workers import WorkerView
 from tollgate.wire.contracts import Endpoint, WorkerState
 
@@ -65,39 +66,8 @@ def affinity_key(
     user = body.get("user")
     if isinstance(user, str) and user:
         return b"u\0" + user[:_MAX_ID_CHARS].encode("utf-8", "replace")
-    opening = _opening(endpoint, body, prefix_chars)
+    opening = SPECS[endpoint].opening(body, prefix_chars)
     return b"p\0" + opening.encode("utf-8", "replace") if opening else None
-
-
-def _opening(endpoint: Endpoint, body: Mapping[str, Any], limit: int) -> str:
-    """The start of the prompt, as far as every later turn repeats it, cut at ``limit``."""
-    if endpoint is Endpoint.CHAT:
-        parts: list[str] = []
-        size = 0
-        for message in body.get("messages") or ():
-            if not isinstance(message, Mapping):
-                break
-            text = f"{message.get('role')}\0{_text(message.get('content'))}\0"
-            parts.append(text)
-            size += len(text)
-            if message.get("role") == "user" or size >= limit:
-                break
-        return "".join(parts)[:limit]
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        prompt = prompt[0]  # a batch of prompts: the first one's opening
-    if isinstance(prompt, list):  # token ids
-        return ",".join(str(t) for t in prompt[:limit])[:limit]
-    return prompt[:limit] if isinstance(prompt, str) else ""
-
-
-def _text(content: Any) -> str:
-    """A message's text: a string, or its text parts joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\0".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
-    return ""
 
 
 def _score(key: bytes, worker_id: str) -> bytes:

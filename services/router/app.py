@@ -23,6 +23,7 @@ from services.router.appkeys import (
 from services.router.auth import KeyMirror
 from services.router.capture import Capturer
 from services.router.dispatch import Dispatcher
+from services.router.endpoints import SPECS
 from services.router.errors import (
     InternalError,
     MethodNotAllowed,
@@ -150,8 +151,8 @@ def create_app(
         await bus.close(nc)
 
     app.cleanup_ctx.append(nats_ctx)
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/completions", handlers.completions)
+    for endpoint in SPECS:
+        app.router.add_post(endpoint.path, handlers.call_handler(endpoint))
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/v1/models/{model:.+}", handlers.get_model)
     ready: dict[str, Check] = {

@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 from nats.js import JetStreamContext
 
+from services.router.endpoints import SPECS
 from tollgate.keys.records import KeyRecord
 from tollgate.wire import codec
 from tollgate.wire.contracts import CaptureEvent, Endpoint, UsageEvent
@@ -45,51 +46,7 @@ def replay_exempt(record: KeyRecord | None, headers: Mapping[str, str]) -> bool:
 
 def reassemble(endpoint: Endpoint, streamed: bool, pieces: list[str]) -> tuple[str, dict[str, Any]]:
     """(generated text, response JSON) from the relayed data (SSE events or one body)."""
-    if not streamed:
-        try:
-            body = orjson.loads("".join(pieces))
-        except orjson.JSONDecodeError:
-            return "", {}
-        choices = body.get("choices") or [{}]
-        first = choices[0]
-        if endpoint is Endpoint.CHAT:
-            text = (first.get("message") or {}).get("content") or ""
-        else:
-            text = first.get("text") or ""
-        return text, body
-    texts: list[str] = []
-    finish = None
-    head: dict[str, Any] = {}
-    usage = None
-    for piece in pieces:
-        for line in piece.splitlines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            try:
-                event = orjson.loads(line[6:])
-            except orjson.JSONDecodeError:
-                continue
-            head = head or {k: event.get(k) for k in ("id", "created", "model")}
-            usage = event.get("usage") or usage
-            for choice in event.get("choices") or []:
-                if choice.get("index", 0) != 0:
-                    continue
-                if endpoint is Endpoint.CHAT:
-                    texts.append((choice.get("delta") or {}).get("content") or "")
-                else:
-                    texts.append(choice.get("text") or "")
-                finish = choice.get("finish_reason") or finish
-    text = "".join(texts)
-    if endpoint is Endpoint.CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text}
-        kind = "text_completion"
-    body = {**head, "object": kind, "choices": [{**choice, "finish_reason": finish}]}
-    if usage is not None:
-        body["usage"] = usage
-    return text, body
+    return SPECS[endpoint].reassemble(streamed, pieces)
 
 
 def _cut(text: str, limit: int) -> tuple[str, bool]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -26,6 +27,7 @@ from services.router.appkeys import (
 from services.router.auth import PRIORITY_HEADER, Principal, request_priority
 from services.router.capture import replay_exempt
 from services.router.dispatch import Call
+from services.router.endpoints import SPECS
 from services.router.errors import (
     ClientClosedRequest,
     InvalidRequest,
@@ -39,7 +41,6 @@ from services.router.errors import (
     sse_error_event,
 )
 from services.router.lifecycle import CallLife, ClientGone, Keepalive
-from services.router.limits import prompts_of
 from tollgate.models.catalog import ModelEntry
 from tollgate.runtime import tracing
 from tollgate.runtime.httpserver import BodyTimeout
@@ -111,16 +112,14 @@ def _visible(principal: Principal | None, entry: ModelEntry) -> bool:
     return principal is None or principal.record.allows(entry.names)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _relay(request, Endpoint.CHAT)
+def call_handler(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The handler of one endpoint's calls (its path: ``endpoint.path``)."""
 
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await _relay(request, endpoint)
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _relay(request, Endpoint.COMPLETIONS)
-
-
-# gen_ai.operation.name of each endpoint (the GenAI semantic conventions' values)
-_OPERATIONS = {Endpoint.CHAT: "chat", Endpoint.COMPLETIONS: "text_completion"}
+    handle.__name__ = f"call_{endpoint.name.lower()}"
+    return handle
 
 
 def _span_attributes(request: web.Request, endpoint: Endpoint, request_id: str) -> dict[str, Any]:
@@ -128,7 +127,7 @@ def _span_attributes(request: web.Request, endpoint: Endpoint, request_id: str) 
     attributes: dict[str, Any] = {
         "tollgate.request_id": request_id,
         tracing.HTTP_METHOD: request.method,
-        tracing.HTTP_ROUTE: f"/v1/{endpoint.value.replace('.', '/')}",
+        tracing.HTTP_ROUTE: endpoint.path,
     }
     # The address the client called (its Host header), as HTTP server spans name it;
     # a Host that is not a valid authority leaves them out.
@@ -145,7 +144,7 @@ async def _relay(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     request_id = uuid.uuid4().hex
     request_id_var.set(request_id)  # every log line about this call carries it
     attributes = _span_attributes(request, endpoint, request_id) if tracing.active() else None
-    with tracing.inference_span(_OPERATIONS[endpoint], attributes) as span:
+    with tracing.inference_span(SPECS[endpoint].operation, attributes) as span:
         return await _serve_call(request, endpoint, request_id, span)
 
 
@@ -157,10 +156,9 @@ async def _serve_call(
         principal = _principal(request)
         prepared = serving.parse(endpoint, await _read_body(request))
         if span is not None:
-            span.request(prepared.body["model"], prepared.body, _choices(endpoint, prepared.body))
+            choices = SPECS[endpoint].generations(prepared.body)
+            span.request(prepared.body["model"], prepared.body, choices)
             span.set("tollgate.tenant", principal.tenant if principal else "anonymous")
-        if endpoint is Endpoint.COMPLETIONS:
-            _check_prompts(request, prepared.body["prompt"])
         if principal is not None:
             request.app[KEYS].authorize(principal, prepared.entry, prepared.body["model"])
         # a replayed request (tollgate replay) is not captured again: only a replay key's
@@ -188,26 +186,6 @@ async def _serve_call(
     if prepared.stream:
         return await _stream(request, life)
     return await _full(request, life)
-
-
-def _choices(endpoint: Endpoint, body: dict[str, Any]) -> int:
-    """How many generations the response holds: ``n`` for each prompt."""
-    per_prompt = body.get("n") or 1
-    if endpoint is Endpoint.COMPLETIONS:
-        return int(per_prompt) * len(prompts_of(body["prompt"]))
-    return int(per_prompt)
-
-
-def _check_prompts(request: web.Request, prompt: Any) -> None:
-    """A batch of prompts is one generation each: the edge caps how many one request holds."""
-    count = len(prompts_of(prompt))
-    most = request.app[SETTINGS].max_prompts
-    if count > most:
-        raise InvalidRequest(
-            f"Invalid value for 'prompt': {count} prompts in one request; at most {most} "
-            "are accepted. Split the batch over several requests.",
-            param="prompt",
-        )
 
 
 async def _full(request: web.Request, life: CallLife) -> web.StreamResponse:

@@ -24,7 +24,8 @@ keeps running at its remaining units keeps its counter, and the lost units,
 until it is quiet that long). A NATS restart loses the bucket: counting starts
 again from zero, and a unit given back to a counter at zero leaves it at zero.
 
-Tokens are reserved before dispatch at the worst case (:func:`worst_case_tokens`:
+Tokens are reserved before dispatch at the worst case (the endpoint's
+:meth:`~services.router.endpoints.EndpointSpec.worst_case_tokens`:
 an upper bound of every prompt plus the completion limit for each prompt and
 each of its ``n`` choices) and settled to the engine's count after, so an
 overshoot is bounded by the reservations in flight, never by how many
@@ -41,7 +42,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from nats.errors import NoRespondersError
 from nats.js.errors import (
     BucketNotFoundError,
@@ -52,70 +52,10 @@ from nats.js.errors import (
 )
 
 from services.router.errors import QuotaExceeded, RateLimited
-from services.router.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS
 from tollgate.keys.records import KeyRecord, budget_window
-from tollgate.wire.contracts import Endpoint
 from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.limits")
-
-
-# Template and special tokens a prompt may gain on top of its own bytes.
-PROMPT_OVERHEAD = 64
-
-
-def prompts_of(prompt: Any) -> list[Any]:
-    """The prompts of a /v1/completions ``prompt``: a string or a token array is one,
-    a list of strings or of token arrays is a batch, one generation each."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        return prompt
-    return [prompt]
-
-
-def worst_case_tokens(endpoint: Endpoint, body: dict[str, Any], context: int) -> int:
-    """An upper bound of the tokens a request can use, to reserve before dispatch.
-
-    A byte-level tokenizer never makes more tokens than a prompt has bytes, a
-    token array is its length, and a chat template adds a bounded overhead;
-    no prompt passes the context. Each prompt of a batch is generated on its
-    own, ``n`` (or ``best_of``) times, each completion bounded by its limit
-    (or the context): prompts x n x limit, plus every prompt.
-    """
-    if endpoint is Endpoint.CHAT:
-        prompts: list[Any] = [body.get("messages")]
-    else:
-        prompts = prompts_of(body.get("prompt"))
-    prompt_bound = 0
-    for prompt in prompts:
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            prompt_bound += min(context, len(prompt))
-        else:
-            prompt_bound += min(context, len(orjson.dumps(prompt)) + PROMPT_OVERHEAD)
-    limit = min(_completion_limit(endpoint, body) or context, context)
-    choices = max(_int_or(body.get("n"), 1), _int_or(body.get("best_of"), 1), 1)
-    return prompt_bound + len(prompts) * choices * limit
-
-
-def _int_or(value: Any, default: int) -> int:
-    """``value`` when it is a JSON integer, else ``default``."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _completion_limit(endpoint: Endpoint, body: dict[str, Any]) -> int | None:
-    """The completion limit per choice, from a body the edge has checked and normalised.
-
-    Chat takes ``max_completion_tokens`` over ``max_tokens`` (None: up to the
-    context); completions has only ``max_tokens``, 16 when unset as in
-    OpenAI's API and vLLM, and 0 (echo only) still generates one token.
-    """
-    if endpoint is Endpoint.CHAT:
-        for name in ("max_completion_tokens", "max_tokens"):
-            if (value := _int_or(body.get(name), 0)) >= 1:
-                return value
-        return None
-    if body.get("max_tokens") is None:
-        return COMPLETIONS_DEFAULT_MAX_TOKENS
-    return max(1, _int_or(body.get("max_tokens"), 0))
 
 
 @dataclass

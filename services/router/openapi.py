@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.router.protocol import ChatCompletionBody, CompletionBody
+from services.router.protocol import ChatCompletionBody, CompletionBody, EmbeddingsBody
 from tollgate.runtime.openapi import (
     I_JSON,
     SAME_ORIGIN,
@@ -122,6 +122,37 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class EmbeddingUsage(BaseModel):
+    """An embedding call uses prompt tokens only; they are what is billed."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt_tokens: int = Field(ge=0, description="Tokens of every input, special tokens included.")
+    total_tokens: int = Field(ge=0)
+
+
+class Embedding(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    index: int = Field(ge=0, description="The input's place in `input`.")
+    object: Literal["embedding"]
+    embedding: list[float] | str = Field(
+        description="The vector: numbers, or with `encoding_format` base64 the base64 of its "
+        "little-endian float32 values."
+    )
+
+
+class EmbeddingList(BaseModel):
+    """The vectors of an embeddings call, one per input."""
+
+    model_config = ConfigDict(extra="allow")
+
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class Model(BaseModel):
     id: str = Field(description="The catalog id.")
     object: Literal["model"]
@@ -164,24 +195,27 @@ UNAUTHORIZED = _error(
 
 
 def _call_answers(
-    body: type[BaseModel], event: type[BaseModel], auth: dict[int, Answer]
+    body: type[BaseModel], event: type[BaseModel] | None, auth: dict[int, Answer]
 ) -> dict[int, Answer]:
-    """What a completion call answers (whole or streamed)."""
+    """What a call answers: whole, or streamed when it has an ``event`` model."""
+    streamed = {
+        "text/event-stream": (
+            {
+                "description": "Each event's `data` is a chunk's JSON, and the last "
+                "is `[DONE]`; lines starting with `:` are keep-alive comments; an error "
+                "after the first chunk is `data: <Error JSON>` then `data: [DONE]`.",
+            },
+            event,
+        )
+    }
     return {
         200: Answer(
-            "The completion (`stream` false) or its chunks (`stream` true).",
+            "The completion (`stream` false) or its chunks (`stream` true)."
+            if event is not None
+            else "The answer.",
             body,
             headers={"x-request-id": REQUEST_ID, **RATE_LIMITS},
-            media={
-                "text/event-stream": (
-                    {
-                        "description": "Each event's `data` is a chunk's JSON, and the last "
-                        "is `[DONE]`; lines starting with `:` are keep-alive comments; an error "
-                        "after the first chunk is `data: <Error JSON>` then `data: [DONE]`.",
-                    },
-                    event,
-                )
-            },
+            media=streamed if event is not None else {},
         ),
         400: _error(
             "The body is not JSON, not an object, or a field is missing or invalid (`param` "
@@ -261,6 +295,19 @@ def router_api(auth: bool = True) -> Api:
             description=f"{EDGE_RULES} `prompt` may be a batch: at most "
             "TOLLGATE_ROUTER_MAX_PROMPTS prompts (more: 400). `max_tokens` 0 generates nothing: "
             "only with `echo`.",
+        ),
+        Operation(
+            "POST",
+            "/v1/embeddings",
+            "createEmbedding",
+            "Vectors for one input or a batch, from an embedding model.",
+            ("inference",),
+            _call_answers(EmbeddingList, None, unauthorized),
+            body=EmbeddingsBody,
+            description="`input` is a string, a token array, or a batch of either (at most "
+            "TOLLGATE_ROUTER_MAX_EMBEDDING_INPUTS). Only models whose catalog task is `embed` "
+            "serve it (another model: 400 `model_not_supported`, as chat on an embedding "
+            "model is). Billed by prompt tokens. Never streamed.",
         ),
         Operation(
             "GET",

@@ -15,7 +15,7 @@ be a JSON boolean, because the edge answers differently for each.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -67,6 +67,15 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
+# One input of /v1/embeddings or prompt of /v1/completions: text, token ids, or a batch.
+Prompts = (
+    Annotated[StrictStr, Field(min_length=1)]
+    | Annotated[list[StrictStr], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -81,13 +90,36 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[Any] | None = None
 
 
-class _Body(BaseModel):
-    """What both endpoints share: the model, streaming, and vLLM's sampling ranges."""
+class EdgeBody(BaseModel):
+    """What every endpoint's body has: the model, and whether the answer is streamed."""
 
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr = Field(min_length=1)
     stream: StrictBool | None = False
+
+    @property
+    def token_limit(self) -> int | None:
+        """The completion limit per choice the client set (None: the default, or none)."""
+        return None
+
+    @property
+    def token_limit_param(self) -> str:
+        return ""
+
+    @property
+    def wants_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage event."""
+        return False
+
+    def problem(self) -> tuple[str, str] | None:
+        """A rule across fields that vLLM enforces: (message, param), or None."""
+        return None
+
+
+class _Body(EdgeBody):
+    """What both generating endpoints share: streaming options and vLLM's sampling ranges."""
+
     stream_options: StreamOptions | None = None
     n: Choices | None = None
     # Past the token limit refused by problem(), or by the engine (its default limit).
@@ -103,15 +135,6 @@ class _Body(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
 
     @property
-    def token_limit(self) -> int | None:
-        """The completion limit per choice the client set (None: the default)."""
-        raise NotImplementedError
-
-    @property
-    def token_limit_param(self) -> str:
-        raise NotImplementedError
-
-    @property
     def choices(self) -> int:
         return self.n or 1
 
@@ -120,7 +143,6 @@ class _Body(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def problem(self) -> tuple[str, str] | None:
-        """A rule across fields that vLLM enforces: (message, param), or None."""
         if self.prompt_logprobs is not None:
             if self.prompt_logprobs < -1:
                 return "`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs"
@@ -170,12 +192,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class CompletionBody(_Body):
-    prompt: (
-        Annotated[StrictStr, Field(min_length=1)]
-        | Annotated[list[StrictStr], Field(min_length=1)]
-        | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    )
+    prompt: Prompts
     # 0 generates nothing: valid only with echo (the prompt's own logprobs).
     max_tokens: Annotated[int, Field(ge=0), _documented(maximum=INT64_MAX)] | None = None
     best_of: Choices | None = None
@@ -202,6 +219,24 @@ class CompletionBody(_Body):
         return super().problem()
 
 
+class EmbeddingsBody(EdgeBody):
+    """``/v1/embeddings``: OpenAI's fields; vLLM's own extras go on to the engine untouched.
+
+    ``encoding_format`` is OpenAI's two (vLLM's binary ``bytes`` formats are
+    not JSON, so the edge does not relay them).
+    """
+
+    input: Prompts
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Annotated[int, Field(ge=1), _documented(maximum=INT64_MAX)] | None = None
+    user: StrictStr | None = None
+
+    def problem(self) -> tuple[str, str] | None:
+        if self.stream:
+            return "Embeddings are not streamed: 'stream' must be false or left out.", "stream"
+        return None
+
+
 # The numeric fields the edge rewrites in the body it forwards, once checked:
 # a lax ``16.0`` or ``"16"`` goes on as ``16``, so nothing downstream re-parses it.
 NORMALISED = (
@@ -215,10 +250,11 @@ NORMALISED = (
     "prompt_logprobs",
     "seed",
     "top_k",
+    "dimensions",
 )
 
 
-def normalise(checked: _Body, body: dict[str, Any]) -> None:
+def normalise(checked: EdgeBody, body: dict[str, Any]) -> None:
     """Write the checked integers back into ``body`` (only those the client sent)."""
     for name in NORMALISED:
         if name in body and body[name] is not None:

@@ -16,6 +16,7 @@ from services.router.affinity import Affinity, affinity_key
 from services.router.auth import Principal
 from services.router.capture import Capturer
 from services.router.dispatch import Call, Dispatcher, QueueFull
+from services.router.endpoints import SPECS, worst_case_tokens
 from services.router.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -27,10 +28,10 @@ from services.router.errors import (
     WorkerLost,
 )
 from services.router.lifecycle import KEEPALIVE, CallLife, Ending, Keepalive
-from services.router.limits import Limiter, worst_case_tokens
+from services.router.limits import Limiter
 from services.router.metrics import RouterMetrics
 from services.router.overload import DrainMeter, hold_until
-from services.router.protocol import ChatCompletionBody, CompletionBody, normalise
+from services.router.protocol import normalise
 from services.router.settings import RouterSettings
 from services.router.usage import UsagePublisher
 from tollgate.models.catalog import Catalog, ModelEntry
@@ -77,12 +78,6 @@ def _check_depth(raw: bytes, body: dict[str, Any]) -> None:
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
 
 
-_BODY_MODELS: dict[Endpoint, type[ChatCompletionBody] | type[CompletionBody]] = {
-    Endpoint.CHAT: ChatCompletionBody,
-    Endpoint.COMPLETIONS: CompletionBody,
-}
-
-
 @dataclass(frozen=True)
 class Prepared:
     endpoint: Endpoint
@@ -115,6 +110,14 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     if error["type"] == "missing":
         return f"Missing required parameter: '{loc}'.", loc or None
     return f"Invalid value for '{loc}': {error['msg']}.", loc or None
+
+
+# How an error names a model of each task.
+_TASK_NAMES = {"generate": "a generative model", "embed": "an embedding model"}
+
+
+def _task_paths(task: str) -> list[str]:
+    return [spec.path for spec in SPECS.values() if spec.task == task]
 
 
 class OpenAIServing:
@@ -165,8 +168,9 @@ class OpenAIServing:
         if not isinstance(body, dict):
             raise InvalidRequest("The request body must be a JSON object.")
         _check_depth(raw, body)
+        spec = SPECS[endpoint]
         try:
-            checked = _BODY_MODELS[endpoint].model_validate(body)
+            checked = spec.body_model.model_validate(body)
         except ValidationError as exc:
             message, param = _validation_message(exc)
             raise InvalidRequest(message, param=param) from None
@@ -176,6 +180,14 @@ class OpenAIServing:
         entry = self.catalog.resolve(checked.model)
         if entry is None:
             raise ModelNotFound(checked.model)
+        if entry.task != spec.task:
+            raise InvalidRequest(
+                f"`{checked.model}` is {_TASK_NAMES[entry.task]}: it does not serve "
+                f"{endpoint.path} (its endpoints: {', '.join(_task_paths(entry.task))}).",
+                param="model",
+                code="model_not_supported",
+            )
+        spec.check(body, self.settings)
         limit = checked.token_limit
         if limit is not None and limit > entry.max_model_len:
             param = checked.token_limit_param
@@ -243,6 +255,7 @@ class OpenAIServing:
                         completion_tokens=0,
                         outcome=Outcome.NOT_DISPATCHED,
                         streamed=prepared.stream,
+                        endpoint=prepared.endpoint.value,
                         total_s=0.0,
                         http_status=exc.status,
                     )
@@ -568,6 +581,7 @@ class OpenAIServing:
             http_status=ending.status,
             attempts=request.attempt + 1,
             priority=request.priority,
+            endpoint=prepared.endpoint.value,
         )
         if call.started_at is not None:
             self.drain_meter.served(request.model, now - call.started_at)

@@ -102,6 +102,9 @@ class RouterSettings(BaseSettings, HttpLimits):
     max_prompts: int = Field(
         default=64, ge=1, description="Most prompts in one /v1/completions request (batched)."
     )
+    max_embedding_inputs: int = Field(
+        default=2048, ge=1, description="Most inputs in one /v1/embeddings request (OpenAI's)."
+    )
     capture_tenants: list[str] = Field(
         default_factory=list,
         description="Tenants whose requests and responses are kept (JSON list; '*': all).",

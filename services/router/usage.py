@@ -143,6 +143,7 @@ class UsagePublisher:
                 "tenant": request.tenant or "anonymous",
                 "key_id": request.key_id,
                 "model": request.model,
+                "endpoint": request.endpoint.value,
                 "streamed": streamed,
                 "enqueued_at": request.enqueued_at,
                 "deadline": request.deadline,
@@ -294,6 +295,7 @@ class LostCalls:
                 outcome=Outcome.ROUTER_LOST,
                 finish_reason=end.finish_reason if end is not None else None,
                 streamed=bool(record["streamed"]),
+                endpoint=str(record.get("endpoint") or ""),
                 total_s=max(0.0, now - float(record["enqueued_at"])),
                 http_status=502,  # the client's connection broke with its router
             ),

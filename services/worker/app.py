@@ -11,6 +11,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -87,9 +88,14 @@ def create_engine(
 
 
 async def warm_up(engine: Engine, entry: ModelEntry) -> None:
-    """One short completion before taking requests, so no caller pays for the first one."""
-    body = {"model": entry.id, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
-    result = await engine.run(Endpoint.COMPLETIONS, body, f"warmup-{os.getpid()}")
+    """One short request before taking calls, so no caller pays for the first one."""
+    body: dict[str, Any]
+    if entry.task == "embed":
+        endpoint, body = Endpoint.EMBEDDINGS, {"model": entry.id, "input": "Hello"}
+    else:
+        endpoint = Endpoint.COMPLETIONS
+        body = {"model": entry.id, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    result = await engine.run(endpoint, body, f"warmup-{os.getpid()}")
     if isinstance(result, ErrorResult):
         log.warning("warm-up request failed", extra={"status": result.status})
 

@@ -31,6 +31,7 @@ that takes each message's content as one string.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import heapq
 import itertools
@@ -116,6 +117,13 @@ class Refused(Exception):
 
 class RefusedAtStart(Refused):
     """Refused by vLLM's engine as it takes the request: a stream has sent its 200."""
+
+
+# The endpoints each model task serves (vLLM: the generate and pooling runners).
+_TASK_ENDPOINTS = {
+    "generate": frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS}),
+    "embed": frozenset({Endpoint.EMBEDDINGS}),
+}
 
 
 # -- the request models: the fields vLLM's protocol declares, with its types ----------
@@ -330,6 +338,18 @@ class _CompletionRequest(_Sampling):
     n: int = 1
     suffix: str | None = None
     add_special_tokens: bool = True
+
+
+class _EmbeddingRequest(_Model):
+    """vLLM's ``EmbeddingCompletionRequest``: what the edge forwards to /v1/embeddings."""
+
+    model: str | None = None
+    input: list[_TokenId] | list[list[_TokenId]] | str | list[str]
+    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: _Int64 = 0
 
 
 # -- checks vLLM's request models make on the raw body, before their fields ------------
@@ -847,6 +867,7 @@ class SimulatedEngine:
         self._pieces: list[str] = []
         self._vocab_size = 0
         self._max_token_id = 0
+        self._hidden_size = 384
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -859,6 +880,8 @@ class SimulatedEngine:
         config = self.model_path / "config.json"
         vocab = orjson.loads(config.read_bytes()).get("vocab_size") if config.exists() else None
         self._vocab_size = int(vocab) if isinstance(vocab, int) else len(self._tokenizer)
+        hidden = orjson.loads(config.read_bytes()).get("hidden_size") if config.exists() else None
+        self._hidden_size = int(hidden) if isinstance(hidden, int) else 384
         # a slow engine load, when configured; one that holds the event loop as vLLM's does
         if self.config.startup_blocks:
             time.sleep(self.config.startup_s)  # noqa: ASYNC251 (holding the loop is the point)
@@ -1144,8 +1167,11 @@ class SimulatedEngine:
     # -- serving ------------------------------------------------------------------------
 
     async def run(self, endpoint: Endpoint, body: dict[str, Any], request_id: str) -> EngineResult:
-        if endpoint not in (Endpoint.CHAT, Endpoint.COMPLETIONS):
+        served = _TASK_ENDPOINTS[self.entry.task]
+        if endpoint not in served:
             return _not_found(f"{endpoint.value} is not served by this worker")
+        if endpoint is Endpoint.EMBEDDINGS:
+            return await self._embed(body, request_id)
         try:
             plan = (
                 self._chat_plan(body) if endpoint is Endpoint.CHAT else self._completion_plan(body)
@@ -1208,6 +1234,78 @@ class SimulatedEngine:
     async def _empty(self) -> AsyncIterator[StreamEvent]:
         return
         yield  # pragma: no cover
+
+    # -- embeddings ---------------------------------------------------------------------
+
+    async def _embed(self, body: dict[str, Any], request_id: str) -> EngineResult:
+        """/v1/embeddings: one unit vector per input, the mean of its tokens' vectors.
+
+        Each token id stands for a fixed pseudo-random direction, so inputs that
+        share tokens point alike (a test double's idea of meaning); the prompt
+        tokens are counted by the model's own tokenizer, as vLLM counts them.
+        """
+        try:
+            request = _EmbeddingRequest.model_validate(body)
+        except ValidationError as exc:
+            return _invalid(exc)
+        if request.dimensions is not None:
+            return Refused(
+                f'Model "{body.get("model", self.entry.id)}" does not support matryoshka '
+                "representation, changing output dimensions will lead to poor results."
+            ).result()
+        inputs = _completion_prompts(request.input)
+        if not inputs:
+            return Refused("You must pass at least one prompt").result()
+        rendered = []
+        for item in inputs:
+            ids = list(self._tokenizer.encode(item) if isinstance(item, str) else item)
+            if len(ids) > self.entry.max_model_len:
+                return Refused(
+                    f"This model's maximum context length is {self.entry.max_model_len} "
+                    f"tokens. However, you requested {len(ids)} tokens in the input for "
+                    "embedding generation. Please reduce the length of the input."
+                ).result()
+            rendered.append(ids)
+        prompt_tokens = sum(len(ids) for ids in rendered)
+        tally = current_tally.get()
+        if tally is not None:
+            tally.prompt_tokens = prompt_tokens
+        async with self._slots.hold(request.priority):
+            await asyncio.sleep(self.config.ttft_ms / 1000)
+        data = []
+        for index, ids in enumerate(rendered):
+            vector = self._vector(ids)
+            embedding: list[float] | str = (
+                base64.b64encode(vector.astype("<f4").tobytes()).decode()
+                if request.encoding_format == "base64"
+                else [float(x) for x in vector]
+            )
+            data.append({"index": index, "object": "embedding", "embedding": embedding})
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0)
+        full = {
+            "id": f"embd-{request_id or uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": body.get("model", self.entry.id),
+            "data": data,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "total_tokens": prompt_tokens,
+                "completion_tokens": 0,
+                "prompt_tokens_details": None,
+            },
+        }
+        return FullResult(orjson.dumps(full).decode(), usage)
+
+    def _vector(self, ids: list[int]) -> Any:
+        import numpy as np
+
+        size = self._hidden_size
+        total = np.zeros(size)
+        for token in ids:
+            total += np.random.default_rng(token).standard_normal(size)
+        norm = float(np.linalg.norm(total))
+        return total / norm if norm else total
 
     async def _refused_stream(self, refused: RefusedAtStart) -> AsyncIterator[StreamEvent]:
         """vLLM's stream when its engine refuses the request: the error, then the end."""

@@ -98,6 +98,8 @@ def build_engine_argv(entry: ModelEntry, model_path: Path) -> list[str]:
     worker holding its prefix); a catalog may turn it off with
     ``--no-enable-prefix-caching``, which the engine then reports.
     """
+    # An embedding model runs vLLM's pooling runner; prefix caching is for generation.
+    by_task = ["--enable-prefix-caching"] if entry.task == "generate" else ["--runner", "pooling"]
     return [
         "--model",
         str(model_path),
@@ -109,7 +111,7 @@ def build_engine_argv(entry: ModelEntry, model_path: Path) -> list[str]:
         str(entry.tensor_parallel_size),
         "--scheduling-policy",
         SCHEDULING_POLICY,
-        "--enable-prefix-caching",
+        *by_task,
         *entry.engine_args,
     ]
 
@@ -196,6 +198,14 @@ class TallyingEngineClient:
                     tally.completion_tokens = generated
             yield output
 
+    async def encode(self, prompt: Any, pooling_params: Any, *args: Any, **kwargs: Any) -> Any:
+        """A pooling request (embeddings): its prompt tokens are all it uses."""
+        tally = current_tally.get()
+        async for output in self._inner.encode(prompt, pooling_params, *args, **kwargs):
+            if tally is not None and output.prompt_token_ids is not None:
+                tally.prompt_tokens += len(output.prompt_token_ids)
+            yield output
+
 
 class VllmEngine:
     name = "vllm"
@@ -265,18 +275,29 @@ class VllmEngine:
         state = State()
         tasks = await client.get_supported_tasks()
         await init_app_state(cast(Any, TallyingEngineClient(client)), state, args, tasks)
-        # Dispatch table: endpoint -> (request model, serving method). Embeddings,
-        # responses and messages plug in here the same way.
-        self._handlers = {
-            Endpoint.CHAT: (
-                ChatCompletionRequest,
+        # The worker's half of each endpoint (the router's is services/router/endpoints.py):
+        # endpoint -> (what checks the body, the serving method), for the endpoints
+        # this model's task serves.
+        handlers: dict[Endpoint, tuple[Any, Any]] = {}
+        if getattr(state, "openai_serving_chat", None) is not None:
+            handlers[Endpoint.CHAT] = (
+                ChatCompletionRequest.model_validate,
                 state.openai_serving_chat.create_chat_completion,
-            ),
-            Endpoint.COMPLETIONS: (
-                CompletionRequest,
+            )
+        if getattr(state, "openai_serving_completion", None) is not None:
+            handlers[Endpoint.COMPLETIONS] = (
+                CompletionRequest.model_validate,
                 state.openai_serving_completion.create_completion,
-            ),
-        }
+            )
+        if getattr(state, "serving_embedding", None) is not None:
+            from pydantic import TypeAdapter
+            from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
+
+            handlers[Endpoint.EMBEDDINGS] = (
+                TypeAdapter(EmbeddingRequest).validate_python,
+                state.serving_embedding,
+            )
+        self._handlers = handlers
 
     async def stop(self) -> None:
         await self._stack.aclose()
@@ -342,9 +363,9 @@ class VllmEngine:
                 status_code=404,  # type: ignore[arg-type]
             )
             return ErrorResult(err.model_dump_json(), err.error.code)
-        request_model, serve = handler
+        validate, serve = handler
         try:
-            request = request_model.model_validate(engine_body(body, request_id))
+            request = validate(engine_body(body, request_id))
         except ValidationError as exc:
             return await self._invalid(exc)
         except Exception as exc:
@@ -363,12 +384,29 @@ class VllmEngine:
             stream = StreamResult(events=_empty())
             stream.events = _relay(result, stream)
             return stream
+        if hasattr(result, "body") and hasattr(result, "status_code"):
+            return _whole_response(result)
         usage = Usage(
             prompt_tokens=result.usage.prompt_tokens,
             completion_tokens=result.usage.completion_tokens or 0,
         )
         finish = result.choices[0].finish_reason if result.choices else None
         return FullResult(result.model_dump_json(), usage, finish)
+
+
+def _whole_response(response: Any) -> EngineResult:
+    """A serving method's ready HTTP response (the pooling endpoints answer so)."""
+    text = bytes(response.body).decode()
+    if response.status_code != 200:
+        return ErrorResult(text, response.status_code)
+    usage = orjson.loads(text).get("usage") or {}
+    return FullResult(
+        text,
+        Usage(
+            prompt_tokens=usage.get("prompt_tokens") or 0,
+            completion_tokens=usage.get("completion_tokens") or 0,
+        ),
+    )
 
 
 async def _empty() -> AsyncIterator[StreamEvent]:

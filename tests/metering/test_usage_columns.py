@@ -1,4 +1,5 @@
-"""A usage row's attempts and class (migration 0007), on the real ClickHouse engine (chDB)."""
+"""A usage row's attempts and class (migration 0007) and endpoint (0008), on the real
+ClickHouse engine (chDB)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def test_existing_tables_get_the_columns_and_keep_their_rows(
         old = to_row(orjson.dumps(usage(1, attempts=2, priority="batch")), 1, time.time())
         store.insert([old])  # the fields are unknown columns yet: skipped
         monkeypatch.setattr(store_module, "load_migrations", lambda: every)
-        assert [m.name for m in store.migrate()] == ["attempts_priority"]
+        assert [m.name for m in store.migrate()] == ["attempts_priority", "endpoint"]
         new = to_row(orjson.dumps(usage(2, attempts=2, priority="batch")), 2, time.time())
         store.insert([new])
         assert stored(store) == [("r00001", 1, "interactive"), ("r00002", 2, "batch")]
@@ -88,3 +89,27 @@ def test_existing_tables_get_the_columns_and_keep_their_rows(
     finally:
         store.writer.command(f"DROP DATABASE IF EXISTS {store.database}")
         store.close()
+
+
+def test_the_endpoint_column_has_its_type_and_default(store: UsageStore) -> None:
+    [(kind, default)] = store.writer.query(
+        "SELECT type, default_expression FROM system.columns"
+        " WHERE database = {db:String} AND table = 'usage_events' AND name = 'endpoint'",
+        parameters={"db": store.database},
+    ).result_rows
+    assert (kind, default) == ("LowCardinality(String)", "''")
+
+
+def test_a_row_carries_the_events_endpoint_or_none_said(store: UsageStore) -> None:
+    said = to_row(orjson.dumps(usage(1, endpoint="embeddings")), 1, time.time())
+    unsaid = to_row(orjson.dumps(usage(2)), 2, time.time())  # a router that predates it
+    assert (said["endpoint"], unsaid["endpoint"]) == ("embeddings", "")
+    older = dict(unsaid, request_id="r00003")
+    del older["endpoint"]  # a writer that predates the column
+    store.insert([said, unsaid, older])
+    rows = store.writer.query("SELECT request_id, endpoint FROM usage_events ORDER BY request_id")
+    assert [tuple(r) for r in rows.result_rows] == [
+        ("r00001", "embeddings"),
+        ("r00002", ""),
+        ("r00003", ""),
+    ]

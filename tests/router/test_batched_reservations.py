@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from services.router.limits import prompts_of, worst_case_tokens
+from services.router.endpoints import prompts_of, worst_case_tokens
 from tests.router.test_key_mirror import OpenKeys, signing_keys, wait_status
 from tests.router.test_key_mirror import open_keys as open_keys
 from tests.router.test_lifecycle import CATALOG, MODEL, OpenRouter, Reply

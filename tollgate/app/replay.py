@@ -44,7 +44,7 @@ from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import SigningKeySet, auth_dir, new_key, strip_prefix
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import codec
-from tollgate.wire.contracts import ReplayResult
+from tollgate.wire.contracts import Endpoint, ReplayResult
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Topology
 
@@ -57,7 +57,8 @@ ORDER BY time DESC
 LIMIT {limit}
 """
 
-_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}
+# The endpoints replayed: those that generate text, which a replay compares.
+_PATHS = {e.value: e.path for e in (Endpoint.CHAT, Endpoint.COMPLETIONS)}
 REPLAY_HEADER = "X-Tollgate-Replay"
 # How long a replay key issued for one run lives at most (it is revoked at the end).
 REPLAY_KEY_TTL_S = 6 * 3600

@@ -114,6 +114,11 @@ class ModelEntry(BaseModel):
     aliases: list[str] = Field(default_factory=list)
     max_model_len: int = Field(default=2048, ge=16)
     engine: Literal["vllm", "simulated"] = "vllm"
+    task: Literal["generate", "embed"] = Field(
+        default="generate",
+        description="generate: chat and text completions; embed: /v1/embeddings "
+        "(vLLM's pooling runner).",
+    )
     engine_args: list[str] = Field(default_factory=list)
     tensor_parallel_size: int = Field(
         default=1,

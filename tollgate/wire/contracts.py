@@ -28,6 +28,20 @@ class Endpoint(StrEnum):
     RESPONSES = "responses"
     MESSAGES = "messages"
 
+    @property
+    def path(self) -> str:
+        """The HTTP path clients call it on."""
+        return _PATHS[self]
+
+
+_PATHS = {
+    Endpoint.CHAT: "/v1/chat/completions",
+    Endpoint.COMPLETIONS: "/v1/completions",
+    Endpoint.EMBEDDINGS: "/v1/embeddings",
+    Endpoint.RESPONSES: "/v1/responses",
+    Endpoint.MESSAGES: "/v1/messages",
+}
+
 
 class Priority(StrEnum):
     """A request's class: batch work fills free capacity and yields to interactive."""
@@ -325,6 +339,11 @@ class UsageEvent(_Contract):
         "output and another served it.",
     )
     priority: Priority = Field(default=Priority.INTERACTIVE, description="Its class.")
+    endpoint: str = Field(
+        default="",
+        description="The operation called (chat.completions, completions, embeddings, ...); "
+        "empty from routers that do not say.",
+    )
 
     @field_validator("queue_s", "ttft_s", mode="before")
     @classmethod

@@ -1,0 +1,293 @@
+"""The operations the edge serves, each declared once.
+
+An :class:`EndpointSpec` is everything the router knows about one OpenAI
+operation: its path (``Endpoint.path``, shared with ``tollgate replay``), the
+model task that serves it, the light model that checks its body at the edge,
+the most tokens one call can use (what a key's limits reserve), how many
+generations a response holds, which part of the prompt picks a worker
+(cache-aware routing), and how a captured answer is put back together. The
+handler, the limiter, cache-aware routing and capture all read :data:`SPECS`.
+
+The worker's half of an endpoint is the engine's table of serving methods
+(``services/worker/vllm_engine.py``, and the simulated engine's). Adding an
+endpoint means a spec here, a body model in :mod:`services.router.protocol`,
+a row in that table, and their tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import orjson
+
+from services.router.errors import InvalidRequest
+from services.router.protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChatCompletionBody,
+    CompletionBody,
+    EdgeBody,
+    EmbeddingsBody,
+)
+from services.router.settings import RouterSettings
+from tollgate.wire.contracts import Endpoint
+
+# Template and special tokens a prompt may gain on top of its own bytes.
+PROMPT_OVERHEAD = 64
+
+
+def prompts_of(prompt: Any) -> list[Any]:
+    """The prompts of a ``prompt`` (or an embeddings ``input``): a string or a token
+    array is one, a list of strings or of token arrays is a batch."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return prompt
+    return [prompt]
+
+
+def _int_or(value: Any, default: int) -> int:
+    """``value`` when it is a JSON integer, else ``default``."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _text(content: Any) -> str:
+    """A message's text: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\0".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
+    return ""
+
+
+class EndpointSpec:
+    """One operation: what the edge checks, reserves, routes by and captures."""
+
+    endpoint: ClassVar[Endpoint]
+    # gen_ai.operation.name (the GenAI semantic conventions' values)
+    operation: ClassVar[str]
+    # The model task that serves it (ModelEntry.task): "generate" or "embed".
+    task: ClassVar[str]
+    body_model: ClassVar[type[EdgeBody]]
+    # The object of a whole response (what a reassembled stream becomes).
+    response_object: ClassVar[str]
+
+    @property
+    def path(self) -> str:
+        return self.endpoint.path
+
+    def prompts(self, body: Mapping[str, Any]) -> list[Any]:
+        """Each prompt of a call (a batch is several), each generated or embedded on its own."""
+        raise NotImplementedError
+
+    def completion_limit(self, body: Mapping[str, Any]) -> int | None:
+        """The most tokens each choice may generate (None: up to the context)."""
+        raise NotImplementedError
+
+    def choices_per_prompt(self, body: Mapping[str, Any]) -> int:
+        return max(_int_or(body.get("n"), 1), _int_or(body.get("best_of"), 1), 1)
+
+    def generations(self, body: Mapping[str, Any]) -> int:
+        """How many generations the response holds: ``n`` for each prompt."""
+        return (_int_or(body.get("n"), 1) or 1) * len(self.prompts(body))
+
+    def worst_case_tokens(self, body: Mapping[str, Any], context: int) -> int:
+        """An upper bound of the tokens a call can use, to reserve before dispatch.
+
+        A byte-level tokenizer never makes more tokens than a prompt has bytes,
+        a token array is its length, and a chat template adds a bounded
+        overhead; no prompt passes the context. Each prompt of a batch is
+        generated on its own, ``n`` (or ``best_of``) times, each completion
+        bounded by its limit (or the context): prompts x n x limit, plus every
+        prompt.
+        """
+        prompts = self.prompts(body)
+        prompt_bound = 0
+        for prompt in prompts:
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                prompt_bound += min(context, len(prompt))
+            else:
+                prompt_bound += min(context, len(orjson.dumps(prompt)) + PROMPT_OVERHEAD)
+        limit = self.completion_limit(body)
+        if limit == 0:
+            return prompt_bound
+        limit = min(limit or context, context)
+        return prompt_bound + len(prompts) * self.choices_per_prompt(body) * limit
+
+    def check(self, body: Mapping[str, Any], settings: RouterSettings) -> None:
+        """Rules of the edge beyond the body's shape (raise :class:`InvalidRequest`)."""
+
+    def opening(self, body: Mapping[str, Any], limit: int) -> str:
+        """The start of the prompt, as far as every later call repeats it, cut at ``limit``."""
+        return ""
+
+    def choice_text(self, choice: Mapping[str, Any], streamed: bool) -> str:
+        """The generated text in one choice of a response (or of a stream's event)."""
+        return ""
+
+    def whole_choice(self, text: str) -> dict[str, Any]:
+        """One choice of a whole response holding ``text``."""
+        return {"index": 0}
+
+    def reassemble(self, streamed: bool, pieces: list[str]) -> tuple[str, dict[str, Any]]:
+        """(generated text, response JSON) from the relayed data (SSE events or one body)."""
+        if not streamed:
+            try:
+                body = orjson.loads("".join(pieces))
+            except orjson.JSONDecodeError:
+                return "", {}
+            if not isinstance(body, dict):
+                return "", {}
+            choices = body.get("choices") or [{}]
+            return self.choice_text(choices[0], streamed=False), body
+        texts: list[str] = []
+        finish = None
+        head: dict[str, Any] = {}
+        usage = None
+        for piece in pieces:
+            for line in piece.splitlines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                try:
+                    event = orjson.loads(line[6:])
+                except orjson.JSONDecodeError:
+                    continue
+                head = head or {k: event.get(k) for k in ("id", "created", "model")}
+                usage = event.get("usage") or usage
+                for choice in event.get("choices") or []:
+                    if choice.get("index", 0) != 0:
+                        continue
+                    texts.append(self.choice_text(choice, streamed=True))
+                    finish = choice.get("finish_reason") or finish
+        text = "".join(texts)
+        choice = {**self.whole_choice(text), "finish_reason": finish}
+        body = {**head, "object": self.response_object, "choices": [choice]}
+        if usage is not None:
+            body["usage"] = usage
+        return text, body
+
+
+class ChatSpec(EndpointSpec):
+    endpoint = Endpoint.CHAT
+    operation = "chat"
+    task = "generate"
+    body_model = ChatCompletionBody
+    response_object = "chat.completion"
+
+    def prompts(self, body: Mapping[str, Any]) -> list[Any]:
+        return [body.get("messages")]
+
+    def completion_limit(self, body: Mapping[str, Any]) -> int | None:
+        """``max_completion_tokens`` over ``max_tokens``; None: up to the context."""
+        for name in ("max_completion_tokens", "max_tokens"):
+            if (value := _int_or(body.get(name), 0)) >= 1:
+                return value
+        return None
+
+    def opening(self, body: Mapping[str, Any], limit: int) -> str:
+        """The system prompt and the first user turn: every later turn repeats them."""
+        parts: list[str] = []
+        size = 0
+        for message in body.get("messages") or ():
+            if not isinstance(message, Mapping):
+                break
+            text = f"{message.get('role')}\0{_text(message.get('content'))}\0"
+            parts.append(text)
+            size += len(text)
+            if message.get("role") == "user" or size >= limit:
+                break
+        return "".join(parts)[:limit]
+
+    def choice_text(self, choice: Mapping[str, Any], streamed: bool) -> str:
+        part = choice.get("delta" if streamed else "message") or {}
+        return part.get("content") or ""
+
+    def whole_choice(self, text: str) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text}}
+
+
+class CompletionsSpec(EndpointSpec):
+    endpoint = Endpoint.COMPLETIONS
+    operation = "text_completion"
+    task = "generate"
+    body_model = CompletionBody
+    response_object = "text_completion"
+
+    def prompts(self, body: Mapping[str, Any]) -> list[Any]:
+        return prompts_of(body.get("prompt"))
+
+    def completion_limit(self, body: Mapping[str, Any]) -> int | None:
+        """``max_tokens``, 16 when unset as in OpenAI's API and vLLM; 0 (echo only)
+        still generates one token."""
+        if body.get("max_tokens") is None:
+            return COMPLETIONS_DEFAULT_MAX_TOKENS
+        return max(1, _int_or(body.get("max_tokens"), 0))
+
+    def check(self, body: Mapping[str, Any], settings: RouterSettings) -> None:
+        """A batch of prompts is one generation each: the edge caps how many one call holds."""
+        count = len(self.prompts(body))
+        most = settings.max_prompts
+        if count > most:
+            raise InvalidRequest(
+                f"Invalid value for 'prompt': {count} prompts in one request; at most {most} "
+                "are accepted. Split the batch over several requests.",
+                param="prompt",
+            )
+
+    def opening(self, body: Mapping[str, Any], limit: int) -> str:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch of prompts: the first one's opening
+        if isinstance(prompt, list):  # token ids
+            return ",".join(str(t) for t in prompt[:limit])[:limit]
+        return prompt[:limit] if isinstance(prompt, str) else ""
+
+    def choice_text(self, choice: Mapping[str, Any], streamed: bool) -> str:
+        return choice.get("text") or ""
+
+    def whole_choice(self, text: str) -> dict[str, Any]:
+        return {"index": 0, "text": text}
+
+
+class EmbeddingsSpec(EndpointSpec):
+    """``/v1/embeddings``: prompt tokens only, never streamed, no generation."""
+
+    endpoint = Endpoint.EMBEDDINGS
+    operation = "embeddings"
+    task = "embed"
+    body_model = EmbeddingsBody
+    response_object = "list"
+
+    def prompts(self, body: Mapping[str, Any]) -> list[Any]:
+        return prompts_of(body.get("input"))
+
+    def completion_limit(self, body: Mapping[str, Any]) -> int | None:
+        return 0
+
+    def generations(self, body: Mapping[str, Any]) -> int:
+        return 0
+
+    def check(self, body: Mapping[str, Any], settings: RouterSettings) -> None:
+        count = len(self.prompts(body))
+        most = settings.max_embedding_inputs
+        if count > most:
+            raise InvalidRequest(
+                f"Invalid value for 'input': {count} inputs in one request; at most {most} "
+                "are accepted. Split the batch over several requests.",
+                param="input",
+            )
+
+    def reassemble(self, streamed: bool, pieces: list[str]) -> tuple[str, dict[str, Any]]:
+        try:
+            body = orjson.loads("".join(pieces))
+        except orjson.JSONDecodeError:
+            return "", {}
+        return "", body if isinstance(body, dict) else {}
+
+
+SPECS: dict[Endpoint, EndpointSpec] = {
+    spec.endpoint: spec for spec in (ChatSpec(), CompletionsSpec(), EmbeddingsSpec())
+}
+
+
+def worst_case_tokens(endpoint: Endpoint, body: Mapping[str, Any], context: int) -> int:
+    """The most tokens a call to ``endpoint`` can use (:meth:`EndpointSpec.worst_case_tokens`)."""
+    return SPECS[endpoint].worst_case_tokens(body, context)
