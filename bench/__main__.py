@@ -20,6 +20,8 @@
 9. Stack: the whole ``tollgate up`` stack's CPU per request per process and
    NATS messages per request, this tree vs a baseline revision
    (``bench/stack.py``).
+10. Embeddings: /v1/embeddings through Tollgate vs vLLM's own server on the
+    same embedding model (``bench/embeddings.py``).
 
 Results go to docs/benchmarks.md (and bench/results/latest.json).
 """
@@ -330,6 +332,7 @@ def main() -> None:
             "fairness",
             "routing",
             "stack",
+            "embeddings",
         ],
     )
     parser.add_argument(
@@ -407,6 +410,13 @@ def main() -> None:
 
             results["stack"] = {
                 **bench_stack(work, env, ns.quick, ns.baseline, ns.rounds),
+                "date": results["date"],
+            }
+        if ns.only in (None, "embeddings"):
+            from bench.embeddings import bench_embeddings
+
+            results["embeddings"] = {
+                **bench_embeddings(work, env, ns.quick),
                 "date": results["date"],
             }
         if ns.only in (None, "inference"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.embeddings import render as _embeddings
 from bench.routing import render as _routing
 from bench.stack import render as _stack
 
@@ -581,8 +582,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         "",
         "Every figure below comes from `make bench` (`python -m bench`; `--only gateway`,",
         "`--only bus`, `--only inference`, `--only metering`, `--only scaler`,",
-        "`--only registry`, `--only control`, `--only fairness`, `--only routing` or",
-        "`--only stack` reruns one part), with each",
+        "`--only registry`, `--only control`, `--only fairness`, `--only routing`,",
+        "`--only stack` or `--only embeddings` reruns one part), with each",
         "system and its baseline measured side by side in the same run. Performance is never",
         "asserted in the test suite; it is measured here.",
         "",
@@ -613,6 +614,7 @@ _PARTS = {
     "fairness": _fairness,
     "routing": _routing,
     "stack": _stack,
+    "embeddings": _embeddings,
     "soak": _soak,
 }
 _PART_TITLES = {
@@ -626,6 +628,7 @@ _PART_TITLES = {
     "fairness": ("Fair share",),
     "routing": ("Cache-aware routing",),
     "stack": ("Stack",),
+    "embeddings": ("Embeddings",),
     "soak": ("Soak",),
 }
 

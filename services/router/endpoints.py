@@ -26,11 +26,15 @@ from services.router.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionBody,
     CompletionBody,
+    DetokenizeBody,
     EdgeBody,
     EmbeddingsBody,
+    TokenizeBody,
 )
 from services.router.settings import RouterSettings
 from tollgate.wire.contracts import Endpoint
+
+GENERATE, EMBED = frozenset({"generate"}), frozenset({"embed"})
 
 # Template and special tokens a prompt may gain on top of its own bytes.
 PROMPT_OVERHEAD = 64
@@ -64,8 +68,8 @@ class EndpointSpec:
     endpoint: ClassVar[Endpoint]
     # gen_ai.operation.name (the GenAI semantic conventions' values)
     operation: ClassVar[str]
-    # The model task that serves it (ModelEntry.task): "generate" or "embed".
-    task: ClassVar[str]
+    # The model tasks that serve it (ModelEntry.task): "generate", "embed".
+    tasks: ClassVar[frozenset[str]]
     body_model: ClassVar[type[EdgeBody]]
     # The object of a whole response (what a reassembled stream becomes).
     response_object: ClassVar[str]
@@ -168,7 +172,7 @@ class EndpointSpec:
 class ChatSpec(EndpointSpec):
     endpoint = Endpoint.CHAT
     operation = "chat"
-    task = "generate"
+    tasks = GENERATE
     body_model = ChatCompletionBody
     response_object = "chat.completion"
 
@@ -207,7 +211,7 @@ class ChatSpec(EndpointSpec):
 class CompletionsSpec(EndpointSpec):
     endpoint = Endpoint.COMPLETIONS
     operation = "text_completion"
-    task = "generate"
+    tasks = GENERATE
     body_model = CompletionBody
     response_object = "text_completion"
 
@@ -252,7 +256,7 @@ class EmbeddingsSpec(EndpointSpec):
 
     endpoint = Endpoint.EMBEDDINGS
     operation = "embeddings"
-    task = "embed"
+    tasks = EMBED
     body_model = EmbeddingsBody
     response_object = "list"
 
@@ -283,8 +287,40 @@ class EmbeddingsSpec(EndpointSpec):
         return "", body if isinstance(body, dict) else {}
 
 
+class TokenizeSpec(EndpointSpec):
+    """``/tokenize`` (vllm serve's): the model's tokenizer, no engine step; not billed."""
+
+    endpoint = Endpoint.TOKENIZE
+    operation = "tokenize"
+    tasks = GENERATE | EMBED
+    body_model: ClassVar[type[EdgeBody]] = TokenizeBody
+    response_object = ""
+
+    def prompts(self, body: Mapping[str, Any]) -> list[Any]:
+        return []  # nothing is computed by the model: no tokens to reserve
+
+    def completion_limit(self, body: Mapping[str, Any]) -> int | None:
+        return 0
+
+    def generations(self, body: Mapping[str, Any]) -> int:
+        return 0
+
+
+class DetokenizeSpec(TokenizeSpec):
+    """``/detokenize`` (vllm serve's): token ids to text; not billed."""
+
+    endpoint = Endpoint.DETOKENIZE
+    operation = "detokenize"
+    body_model = DetokenizeBody
+
+    def reassemble(self, streamed: bool, pieces: list[str]) -> tuple[str, dict[str, Any]]:
+        _, body = super().reassemble(streamed, pieces)
+        return str(body.get("prompt") or ""), body
+
+
 SPECS: dict[Endpoint, EndpointSpec] = {
-    spec.endpoint: spec for spec in (ChatSpec(), CompletionsSpec(), EmbeddingsSpec())
+    spec.endpoint: spec
+    for spec in (ChatSpec(), CompletionsSpec(), EmbeddingsSpec(), TokenizeSpec(), DetokenizeSpec())
 }
 
 

@@ -16,7 +16,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.router.protocol import ChatCompletionBody, CompletionBody, EmbeddingsBody
+from services.router.protocol import (
+    ChatCompletionBody,
+    CompletionBody,
+    DetokenizeBody,
+    EmbeddingsBody,
+    TokenizeBody,
+)
 from tollgate.runtime.openapi import (
     I_JSON,
     SAME_ORIGIN,
@@ -151,6 +157,23 @@ class EmbeddingList(BaseModel):
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage
+
+
+class Tokens(BaseModel):
+    """A prompt's token ids, as the model's tokenizer makes them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    count: int = Field(ge=0)
+    max_model_len: int = Field(ge=1, description="The model's context, in tokens.")
+    tokens: list[int]
+    token_strs: list[str] | None = Field(default=None, description="With `return_token_strs`.")
+
+
+class Detokenized(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str = Field(description="The text of the token ids.")
 
 
 class Model(BaseModel):
@@ -308,6 +331,29 @@ def router_api(auth: bool = True) -> Api:
             "TOLLGATE_ROUTER_MAX_EMBEDDING_INPUTS). Only models whose catalog task is `embed` "
             "serve it (another model: 400 `model_not_supported`, as chat on an embedding "
             "model is). Billed by prompt tokens. Never streamed.",
+        ),
+        Operation(
+            "POST",
+            "/tokenize",
+            "tokenize",
+            "A prompt's or a chat's token ids, as vllm serve's /tokenize gives them.",
+            ("inference",),
+            _call_answers(Tokens, None, unauthorized),
+            body=TokenizeBody,
+            description="`prompt` (a string) or `messages` (rendered with the model's chat "
+            "template), not both. Any model of the catalog; a call like any other (key, model "
+            "access, requests per minute, a usage row), with no tokens billed.",
+        ),
+        Operation(
+            "POST",
+            "/detokenize",
+            "detokenize",
+            "The text of token ids, as vllm serve's /detokenize gives it.",
+            ("inference",),
+            _call_answers(Detokenized, None, unauthorized),
+            body=DetokenizeBody,
+            description="A token id outside the model's vocabulary is the engine's 400. No "
+            "tokens billed.",
         ),
         Operation(
             "GET",

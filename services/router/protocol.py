@@ -237,6 +237,31 @@ class EmbeddingsBody(EdgeBody):
         return None
 
 
+class TokenizeBody(EdgeBody):
+    """``/tokenize``: a ``prompt`` as is, or chat ``messages`` through the model's template."""
+
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+
+    def problem(self) -> tuple[str, str] | None:
+        if self.stream:
+            return "Tokenizing is not streamed: 'stream' must be false or left out.", "stream"
+        if (self.prompt is None) == (self.messages is None):
+            return "Give either 'prompt' or 'messages', not both and not neither.", "prompt"
+        return None
+
+
+class DetokenizeBody(EdgeBody):
+    """``/detokenize``: token ids back to text."""
+
+    tokens: list[TokenId]
+
+    def problem(self) -> tuple[str, str] | None:
+        if self.stream:
+            return "Detokenizing is not streamed: 'stream' must be false or left out.", "stream"
+        return None
+
+
 # The numeric fields the edge rewrites in the body it forwards, once checked:
 # a lax ``16.0`` or ``"16"`` goes on as ``16``, so nothing downstream re-parses it.
 NORMALISED = (

@@ -117,7 +117,7 @@ _TASK_NAMES = {"generate": "a generative model", "embed": "an embedding model"}
 
 
 def _task_paths(task: str) -> list[str]:
-    return [spec.path for spec in SPECS.values() if spec.task == task]
+    return [spec.path for spec in SPECS.values() if task in spec.tasks]
 
 
 class OpenAIServing:
@@ -180,7 +180,7 @@ class OpenAIServing:
         entry = self.catalog.resolve(checked.model)
         if entry is None:
             raise ModelNotFound(checked.model)
-        if entry.task != spec.task:
+        if entry.task not in spec.tasks:
             raise InvalidRequest(
                 f"`{checked.model}` is {_TASK_NAMES[entry.task]}: it does not serve "
                 f"{endpoint.path} (its endpoints: {', '.join(_task_paths(entry.task))}).",

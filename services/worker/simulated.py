@@ -120,9 +120,10 @@ class RefusedAtStart(Refused):
 
 
 # The endpoints each model task serves (vLLM: the generate and pooling runners).
+_TOKENIZER = frozenset({Endpoint.TOKENIZE, Endpoint.DETOKENIZE})
 _TASK_ENDPOINTS = {
-    "generate": frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS}),
-    "embed": frozenset({Endpoint.EMBEDDINGS}),
+    "generate": frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS}) | _TOKENIZER,
+    "embed": frozenset({Endpoint.EMBEDDINGS}) | _TOKENIZER,
 }
 
 
@@ -350,6 +351,21 @@ class _EmbeddingRequest(_Model):
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     priority: _Int64 = 0
+
+
+class _TokenizeRequest(_Model):
+    """vLLM's ``TokenizeCompletionRequest`` or ``TokenizeChatRequest``."""
+
+    prompt: str | None = None
+    messages: list[Annotated[dict[str, Any], AfterValidator(_message)]] | None = None
+    add_special_tokens: bool | None = None  # True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool | None = False
+
+
+class _DetokenizeRequest(_Model):
+    tokens: list[Annotated[int, Field(ge=0, le=_INT64_MAX)]]
 
 
 # -- checks vLLM's request models make on the raw body, before their fields ------------
@@ -1172,6 +1188,10 @@ class SimulatedEngine:
             return _not_found(f"{endpoint.value} is not served by this worker")
         if endpoint is Endpoint.EMBEDDINGS:
             return await self._embed(body, request_id)
+        if endpoint is Endpoint.TOKENIZE:
+            return self._tokenize(body)
+        if endpoint is Endpoint.DETOKENIZE:
+            return self._detokenize(body)
         try:
             plan = (
                 self._chat_plan(body) if endpoint is Endpoint.CHAT else self._completion_plan(body)
@@ -1296,6 +1316,54 @@ class SimulatedEngine:
             },
         }
         return FullResult(orjson.dumps(full).decode(), usage)
+
+    def _tokenize(self, body: dict[str, Any]) -> EngineResult:
+        """/tokenize: a prompt as is, or messages through the chat template (vLLM's rules)."""
+        try:
+            request = _TokenizeRequest.model_validate(body)
+        except ValidationError as exc:
+            return _invalid(exc)
+        if request.continue_final_message and request.add_generation_prompt:
+            return Refused(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            ).result()
+        if request.messages is not None:
+            conversation = self._conversation(request.messages)
+            try:
+                text = self._tokenizer.apply_chat_template(
+                    conversation,
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message,
+                    tokenize=False,
+                )
+            except Exception as exc:
+                return Refused(str(exc)).result()
+            special = bool(request.add_special_tokens)
+        elif request.prompt is not None:
+            text, special = request.prompt, request.add_special_tokens is not False
+        else:
+            return Refused("Either prompt or messages is required").result()
+        ids = list(self._tokenizer.encode(text, add_special_tokens=special))
+        reply: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.entry.max_model_len,
+            "tokens": ids,
+            "token_strs": self._tokenizer.convert_ids_to_tokens(ids)
+            if request.return_token_strs
+            else None,
+        }
+        return FullResult(orjson.dumps(reply).decode(), Usage(prompt_tokens=0, completion_tokens=0))
+
+    def _detokenize(self, body: dict[str, Any]) -> EngineResult:
+        try:
+            request = _DetokenizeRequest.model_validate(body)
+        except ValidationError as exc:
+            return _invalid(exc)
+        if any(t > self._max_token_id for t in request.tokens):
+            return Refused(f"Token id out of vocabulary (max {self._max_token_id})").result()
+        text = self._tokenizer.decode(request.tokens)
+        reply = orjson.dumps({"prompt": text}).decode()
+        return FullResult(reply, Usage(prompt_tokens=0, completion_tokens=0))
 
     def _vector(self, ids: list[int]) -> Any:
         import numpy as np

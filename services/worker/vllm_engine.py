@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import orjson
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from services.worker.engine import (
     EngineResult,
@@ -290,12 +290,26 @@ class VllmEngine:
                 state.openai_serving_completion.create_completion,
             )
         if getattr(state, "serving_embedding", None) is not None:
-            from pydantic import TypeAdapter
             from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
 
             handlers[Endpoint.EMBEDDINGS] = (
                 TypeAdapter(EmbeddingRequest).validate_python,
                 state.serving_embedding,
+            )
+        tokenization = getattr(state, "serving_tokenization", None)
+        if tokenization is not None:  # every task's tokenizer
+            from vllm.entrypoints.serve.tokenize.protocol import (
+                DetokenizeRequest,
+                TokenizeRequest,
+            )
+
+            handlers[Endpoint.TOKENIZE] = (
+                TypeAdapter(TokenizeRequest).validate_python,
+                tokenization.create_tokenize,
+            )
+            handlers[Endpoint.DETOKENIZE] = (
+                DetokenizeRequest.model_validate,
+                tokenization.create_detokenize,
             )
         self._handlers = handlers
 
@@ -386,11 +400,13 @@ class VllmEngine:
             return stream
         if hasattr(result, "body") and hasattr(result, "status_code"):
             return _whole_response(result)
+        counted = getattr(result, "usage", None)  # none: no tokens computed (tokenize)
         usage = Usage(
-            prompt_tokens=result.usage.prompt_tokens,
-            completion_tokens=result.usage.completion_tokens or 0,
+            prompt_tokens=counted.prompt_tokens if counted else 0,
+            completion_tokens=(counted.completion_tokens or 0) if counted else 0,
         )
-        finish = result.choices[0].finish_reason if result.choices else None
+        choices = getattr(result, "choices", None)
+        finish = choices[0].finish_reason if choices else None
         return FullResult(result.model_dump_json(), usage, finish)
 
 

@@ -342,6 +342,8 @@ REFERENCE_BODIES = {
     "ChatCompletionBody": "ChatCompletionRequest",
     "CompletionBody": "CompletionRequest",
     "EmbeddingsBody": "EmbeddingRequest",
+    "TokenizeBody": "TokenizeRequest",
+    "DetokenizeBody": "DetokenizeRequest",
 }
 
 

@@ -27,6 +27,8 @@ class Endpoint(StrEnum):
     EMBEDDINGS = "embeddings"
     RESPONSES = "responses"
     MESSAGES = "messages"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
 
     @property
     def path(self) -> str:
@@ -40,6 +42,8 @@ _PATHS = {
     Endpoint.EMBEDDINGS: "/v1/embeddings",
     Endpoint.RESPONSES: "/v1/responses",
     Endpoint.MESSAGES: "/v1/messages",
+    Endpoint.TOKENIZE: "/tokenize",  # vllm serve's paths
+    Endpoint.DETOKENIZE: "/detokenize",
 }
 
 
