@@ -526,11 +526,13 @@ def router_url(stack: Stack, api_key: str) -> str:
 
 @pytest.fixture(scope="session")
 async def sim_workers(stack: Stack) -> AsyncIterator[None]:
-    """One worker each for the simulated models."""
+    """One worker each for the simulated models (generative, and embeddings)."""
     stack.worker(SIM_MODEL)
     stack.worker(SLOW_MODEL)
+    stack.worker(EMBED_MODEL)
     await wait_ready(stack.nats, SIM_MODEL)
     await wait_ready(stack.nats, SLOW_MODEL)
+    await wait_ready(stack.nats, EMBED_MODEL)
     yield
 
 

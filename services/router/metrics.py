@@ -24,8 +24,8 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             "tollgate_router_requests",
-            "Accepted requests by model, HTTP status and outcome, counted when they end.",
-            ["model", "status", "outcome"],
+            "Accepted requests by model, endpoint, HTTP status and outcome, counted when they end.",
+            ["model", "endpoint", "status", "outcome"],
             registry=r,
         )
         self.tokens = Counter(
@@ -37,7 +37,7 @@ class RouterMetrics:
         self.duration = Histogram(
             "tollgate_router_request_duration_seconds",
             "From arrival to the end of the response.",
-            ["model"],
+            ["model", "endpoint"],
             buckets=_LATENCY,
             registry=r,
         )
@@ -121,14 +121,15 @@ class RouterMetrics:
     def ended(self, event: UsageEvent) -> None:
         """One accepted request is over: count it, its tokens and its timings."""
         model = event.model
-        self.requests.labels(model, str(event.http_status), event.outcome).inc()
+        endpoint = event.endpoint
+        self.requests.labels(model, endpoint, str(event.http_status), event.outcome).inc()
         for kind, count in (
             ("prompt", event.prompt_tokens),
             ("completion", event.completion_tokens),
         ):
             labels = (model, kind, event.tenant) if self.tenant_label else (model, kind)
             self.tokens.labels(*labels).inc(count)
-        self.duration.labels(model).observe(event.total_s)
+        self.duration.labels(model, endpoint).observe(event.total_s)
         if event.ttft_s is not None:
             self.ttft.labels(model).observe(event.ttft_s)
         if event.queue_s is not None:

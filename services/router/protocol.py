@@ -219,6 +219,10 @@ class CompletionBody(_Body):
         return super().problem()
 
 
+# An endpoint whose answer is never streamed: ``stream`` may only be false (or null).
+NotStreamed = Literal[False] | None
+
+
 class EmbeddingsBody(EdgeBody):
     """``/v1/embeddings``: OpenAI's fields; vLLM's own extras go on to the engine untouched.
 
@@ -226,26 +230,21 @@ class EmbeddingsBody(EdgeBody):
     not JSON, so the edge does not relay them).
     """
 
+    stream: NotStreamed = False
     input: Prompts
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Annotated[int, Field(ge=1), _documented(maximum=INT64_MAX)] | None = None
     user: StrictStr | None = None
 
-    def problem(self) -> tuple[str, str] | None:
-        if self.stream:
-            return "Embeddings are not streamed: 'stream' must be false or left out.", "stream"
-        return None
-
 
 class TokenizeBody(EdgeBody):
     """``/tokenize``: a ``prompt`` as is, or chat ``messages`` through the model's template."""
 
+    stream: NotStreamed = False
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
 
     def problem(self) -> tuple[str, str] | None:
-        if self.stream:
-            return "Tokenizing is not streamed: 'stream' must be false or left out.", "stream"
         if (self.prompt is None) == (self.messages is None):
             return "Give either 'prompt' or 'messages', not both and not neither.", "prompt"
         return None
@@ -254,12 +253,8 @@ class TokenizeBody(EdgeBody):
 class DetokenizeBody(EdgeBody):
     """``/detokenize``: token ids back to text."""
 
+    stream: NotStreamed = False
     tokens: list[TokenId]
-
-    def problem(self) -> tuple[str, str] | None:
-        if self.stream:
-            return "Detokenizing is not streamed: 'stream' must be false or left out.", "stream"
-        return None
 
 
 # The numeric fields the edge rewrites in the body it forwards, once checked:

@@ -1188,10 +1188,13 @@ class SimulatedEngine:
             return _not_found(f"{endpoint.value} is not served by this worker")
         if endpoint is Endpoint.EMBEDDINGS:
             return await self._embed(body, request_id)
-        if endpoint is Endpoint.TOKENIZE:
-            return self._tokenize(body)
-        if endpoint is Endpoint.DETOKENIZE:
-            return self._detokenize(body)
+        try:
+            if endpoint is Endpoint.TOKENIZE:
+                return self._tokenize(body)
+            if endpoint is Endpoint.DETOKENIZE:
+                return self._detokenize(body)
+        except Refused as refused:
+            return refused.result()
         try:
             plan = (
                 self._chat_plan(body) if endpoint is Endpoint.CHAT else self._completion_plan(body)
@@ -1328,6 +1331,7 @@ class SimulatedEngine:
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
             ).result()
         if request.messages is not None:
+            _check_chat_body(dict(body))
             conversation = self._conversation(request.messages)
             try:
                 text = self._tokenizer.apply_chat_template(

@@ -18,7 +18,7 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError
 from transformers import AutoTokenizer
 
-from tests.conftest import EMBED_MODEL, SIM_MODEL, Stack, wait_ready
+from tests.conftest import EMBED_MODEL, SIM_MODEL, Stack
 from tests.lib.streams import read_subject
 from tests.router.test_auth import make_key
 from tollgate.models.catalog import load_catalog
@@ -31,11 +31,9 @@ TENANT = "embedder"
 
 
 @pytest.fixture(scope="module")
-async def embed_worker(stack: Stack) -> AsyncIterator[None]:
-    worker = stack.worker(EMBED_MODEL)
-    await wait_ready(stack.nats, EMBED_MODEL)
+async def embed_worker(sim_workers: None) -> AsyncIterator[None]:
+    """The session's simulated embedding worker (one of ``sim_workers``)."""
     yield
-    worker.stop(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.conftest import SIM_MODEL, SLOW_MODEL, NatsServer, Service, Stack
+from tests.conftest import EMBED_MODEL, SIM_MODEL, SLOW_MODEL, NatsServer, Service, Stack
 from tests.fuzz.oracle import (
     Findings,
     error_lines,
@@ -113,7 +113,7 @@ class Fuzz:
             if s.log.exists()
             and s.proc.poll() is None
             and (
-                s.name in {f"worker-{SIM_MODEL}", f"worker-{SLOW_MODEL}"}
+                s.name in {f"worker-{m}" for m in (SIM_MODEL, SLOW_MODEL, EMBED_MODEL)}
                 or (s.name in ("router", "auth") and ports & set(map(str, s.proc.args)))
             )
         ]

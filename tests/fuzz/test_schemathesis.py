@@ -46,7 +46,7 @@ from schemathesis.core.transport import Response
 from schemathesis.generation.modes import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from tests.conftest import SIM_MODEL
+from tests.conftest import EMBED_MODEL, SIM_MODEL
 from tests.fuzz.conftest import SEED_ENV, Fuzz
 from tests.fuzz.oracle import LEAK_MARKERS
 
@@ -87,7 +87,8 @@ def openai_errors(ctx: Any, response: Response, case: Case) -> bool | None:
 
 # The edge's refusals (400) of a body its schema admits that the served document states
 # in prose (services/router/openapi.py EDGE_RULES, tollgate/runtime/openapi.py I_JSON):
-# rules across fields, the model's context, the batch size, and an integer beyond 64 bits
+# rules across fields, the model's context, the batch size, a model of another task (an
+# embedding model's endpoints are not a generative one's), and an integer beyond 64 bits
 # where the schema takes any value (a content part, a field passed to the engine), none
 # of which a JSON schema of one body can say.
 DOCUMENTED_REFUSALS = re.compile(
@@ -95,7 +96,8 @@ DOCUMENTED_REFUSALS = re.compile(
     r"Input should be an integer from -9223372036854775808 to 18446744073709551615 \(64 bits\)|"
     r"`prompt_logprobs` are not available when `stream=True`|"
     r"when using `top_logprobs`, `logprobs` must be set to true|"
-    r"min_tokens must be less than or equal to|max_tokens must be at least 1, got 0"
+    r"min_tokens must be less than or equal to|max_tokens must be at least 1, got 0|"
+    r"inputs in one request|Give either 'prompt' or 'messages'|: it does not serve"
 )
 
 
@@ -169,7 +171,8 @@ class Run:
                 self.known[f"{known[0]} ({label}: {titles})"] += 1
                 return
             for failure in group.exceptions:
-                key = f"{label}: {failure.title}: {failure.message.splitlines()[0][:200]}"
+                first = (failure.message.splitlines() or [""])[0]
+                key = f"{label}: {failure.title}: {first[:200]}"
                 self.findings.setdefault(key, redact(report, self.headers))
         except requests.RequestException as exc:
             key = f"{label}: no answer: {type(exc).__name__}"
@@ -222,7 +225,7 @@ def redact(text: str, headers: dict[str, str]) -> str:
 
 
 def to_a_simulated_model(case: Case) -> None:
-    """Send half of the valid bodies that name a model to the simulated one."""
+    """Send half of the valid bodies that name a model to a simulated one of its task."""
     body = case.body
     meta = case.meta
     if meta is None or meta.generation.mode is not GenerationMode.POSITIVE:
@@ -230,7 +233,7 @@ def to_a_simulated_model(case: Case) -> None:
     if not isinstance(body, dict) or not isinstance(body.get("model"), str):
         return
     if hashlib.sha256(repr(sorted(body.items(), key=str)).encode()).digest()[0] % 2:
-        body["model"] = SIM_MODEL
+        body["model"] = EMBED_MODEL if case.operation.path == "/v1/embeddings" else SIM_MODEL
 
 
 def drive(run: Run, examples: int) -> None:

@@ -235,7 +235,7 @@ class RouterTraffic:
                 ("DELETE", CHAT),
                 ("PUT", COMPLETIONS),
                 ("PATCH", "/v1/models"),
-                ("POST", "/v1/embeddings"),
+                ("POST", "/v1/audio/speech"),
                 ("POST", "/v1/chat/completions/"),
                 ("GET", "/v1/"),
                 ("POST", "/v2/chat/completions"),

@@ -66,7 +66,12 @@ async def test_counters_and_histograms_match_the_requests_sent(
     def delta(name: str, **labels: str) -> float:
         return value(scrape(router_url), name, **labels) - value(before, name, **labels)
 
-    done = {"model": SIM_MODEL, "status": "200", "outcome": "completed"}
+    done = {
+        "model": SIM_MODEL,
+        "endpoint": "chat.completions",
+        "status": "200",
+        "outcome": "completed",
+    }
     await until(lambda: delta("tollgate_router_requests_total", **done) == 8)
     after = scrape(router_url)
 
@@ -74,7 +79,8 @@ async def test_counters_and_histograms_match_the_requests_sent(
         return value(after, name, **labels) - value(before, name, **labels)
 
     model = {"model": SIM_MODEL}
-    assert grew("tollgate_router_request_duration_seconds_count", **model) == 8
+    chat = {**model, "endpoint": "chat.completions"}
+    assert grew("tollgate_router_request_duration_seconds_count", **chat) == 8
     assert grew("tollgate_router_time_to_first_token_seconds_count", **model) == 8
     assert grew("tollgate_router_queue_wait_seconds_count", **model, priority="interactive") == 8
     completion_tokens = {"model": SIM_MODEL, "kind": "completion"}
