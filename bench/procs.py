@@ -78,9 +78,13 @@ def wait_http(url: str, timeout: float = 600) -> None:
 def start_nats(
     procs: Procs, config: Path | None = None, store: Path | None = None, scheme: str = "nats"
 ) -> str:
-    """A nats-server with JetStream on a free port (``config``: its configuration file)."""
+    """A nats-server with JetStream on a free port (``config``: its configuration file;
+    without one, the largest message Tollgate's own configurations allow)."""
     port = free_port()
     store = store or procs.workdir / "nats"
+    if config is None:
+        config = procs.workdir / f"nats-{port}.conf"
+        config.write_text(f"max_payload: {bus.MAX_PAYLOAD}\n")
     argv = [nats_server_binary(), *(["-c", str(config)] if config else [])]
     procs.spawn(
         f"nats-{port}",

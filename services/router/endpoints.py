@@ -29,6 +29,8 @@ from services.router.protocol import (
     DetokenizeBody,
     EdgeBody,
     EmbeddingsBody,
+    RerankBody,
+    ScoreBody,
     TokenizeBody,
 )
 from services.router.settings import RouterSettings
@@ -257,7 +259,7 @@ class EmbeddingsSpec(EndpointSpec):
     endpoint = Endpoint.EMBEDDINGS
     operation = "embeddings"
     tasks = EMBED
-    body_model = EmbeddingsBody
+    body_model: ClassVar[type[EdgeBody]] = EmbeddingsBody
     response_object = "list"
 
     def prompts(self, body: Mapping[str, Any]) -> list[Any]:
@@ -285,6 +287,60 @@ class EmbeddingsSpec(EndpointSpec):
         except orjson.JSONDecodeError:
             return "", {}
         return "", body if isinstance(body, dict) else {}
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+class RerankSpec(EmbeddingsSpec):
+    """``/v1/rerank`` on an embedding model: each document's similarity to the query.
+
+    Each (query, document) pair is computed on its own, so a call reserves the
+    query and the document for every document.
+    """
+
+    endpoint = Endpoint.RERANK
+    operation = "rerank"
+    body_model: ClassVar[type[EdgeBody]] = RerankBody
+
+    def prompts(self, body: Mapping[str, Any]) -> list[Any]:
+        query = body.get("query")
+        return [text for doc in _listed(body.get("documents")) for text in (query, doc)]
+
+    def check(self, body: Mapping[str, Any], settings: RouterSettings) -> None:
+        count = len(_listed(body.get("documents")))
+        most = settings.max_embedding_inputs
+        if count > most:
+            raise InvalidRequest(
+                f"Invalid value for 'documents': {count} documents in one request; at most "
+                f"{most} are accepted. Split them over several requests.",
+                param="documents",
+            )
+
+
+class ScoreSpec(EmbeddingsSpec):
+    """``/v1/score`` on an embedding model: the similarity of text pairs."""
+
+    endpoint = Endpoint.SCORE
+    operation = "score"
+    body_model = ScoreBody
+
+    def prompts(self, body: Mapping[str, Any]) -> list[Any]:
+        first, second = _listed(body.get("text_1")), _listed(body.get("text_2"))
+        if len(first) == 1:
+            first = first * len(second)
+        return [text for pair in zip(first, second, strict=False) for text in pair]
+
+    def check(self, body: Mapping[str, Any], settings: RouterSettings) -> None:
+        count = len(self.prompts(body)) // 2
+        most = settings.max_embedding_inputs
+        if count > most:
+            raise InvalidRequest(
+                f"Invalid value for 'text_2': {count} pairs in one request; at most {most} "
+                "are accepted. Split them over several requests.",
+                param="text_2",
+            )
 
 
 class TokenizeSpec(EndpointSpec):
@@ -320,7 +376,15 @@ class DetokenizeSpec(TokenizeSpec):
 
 SPECS: dict[Endpoint, EndpointSpec] = {
     spec.endpoint: spec
-    for spec in (ChatSpec(), CompletionsSpec(), EmbeddingsSpec(), TokenizeSpec(), DetokenizeSpec())
+    for spec in (
+        ChatSpec(),
+        CompletionsSpec(),
+        EmbeddingsSpec(),
+        RerankSpec(),
+        ScoreSpec(),
+        TokenizeSpec(),
+        DetokenizeSpec(),
+    )
 }
 
 

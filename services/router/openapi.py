@@ -21,6 +21,8 @@ from services.router.protocol import (
     CompletionBody,
     DetokenizeBody,
     EmbeddingsBody,
+    RerankBody,
+    ScoreBody,
     TokenizeBody,
 )
 from tollgate.runtime.openapi import (
@@ -156,6 +158,42 @@ class EmbeddingList(BaseModel):
     object: Literal["list"]
     data: list[Embedding]
     model: str
+    usage: EmbeddingUsage
+
+
+class RerankResult(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    index: int = Field(ge=0, description="The document's place in `documents`.")
+    relevance_score: float
+    document: dict[str, Any] | None = None
+
+
+class Reranked(BaseModel):
+    """Documents by relevance to the query, most relevant first."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: EmbeddingUsage
+
+
+class ScoreItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    index: int = Field(ge=0, description="The pair's place.")
+    object: Literal["score"]
+    score: float
+
+
+class Scores(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    object: Literal["list"]
+    model: str
+    data: list[ScoreItem]
     usage: EmbeddingUsage
 
 
@@ -331,6 +369,30 @@ def router_api(auth: bool = True) -> Api:
             "TOLLGATE_ROUTER_MAX_EMBEDDING_INPUTS). Only models whose catalog task is `embed` "
             "serve it (another model: 400 `model_not_supported`, as chat on an embedding "
             "model is). Billed by prompt tokens. Never streamed.",
+        ),
+        Operation(
+            "POST",
+            "/v1/rerank",
+            "rerank",
+            "Documents ordered by relevance to a query, by an embedding model.",
+            ("inference",),
+            _call_answers(Reranked, None, unauthorized),
+            body=RerankBody,
+            description="The relevance of a document is the cosine of its vector and the "
+            "query's (vLLM's scoring with an embedding model). `top_n` (0 or unset: all) "
+            "keeps the most relevant. At most TOLLGATE_ROUTER_MAX_EMBEDDING_INPUTS documents. "
+            "Billed by prompt tokens.",
+        ),
+        Operation(
+            "POST",
+            "/v1/score",
+            "score",
+            "The similarity of text pairs, by an embedding model.",
+            ("inference",),
+            _call_answers(Scores, None, unauthorized),
+            body=ScoreBody,
+            description="One `text_1` is paired with every `text_2`; two lists are paired in "
+            "order (of equal length, else the engine's 400). Billed by prompt tokens.",
         ),
         Operation(
             "POST",

@@ -237,6 +237,30 @@ class EmbeddingsBody(EdgeBody):
     user: StrictStr | None = None
 
 
+# A text of a rerank or score call.
+ScoreText = Annotated[StrictStr, Field(min_length=1)]
+ScoreTexts = ScoreText | Annotated[list[ScoreText], Field(min_length=1)]
+
+
+class RerankBody(EdgeBody):
+    """``/v1/rerank``: ``documents`` ordered by relevance to ``query`` (vLLM's, Jina's and
+    Cohere's shape); the top ``top_n`` (0 or unset: all)."""
+
+    stream: NotStreamed = False
+    query: ScoreText
+    documents: ScoreTexts
+    top_n: Annotated[int, Field(ge=0), _documented(maximum=INT64_MAX)] | None = None
+
+
+class ScoreBody(EdgeBody):
+    """``/v1/score``: the similarity of each ``text_1`` with its ``text_2`` (one ``text_1``
+    is paired with every ``text_2``)."""
+
+    stream: NotStreamed = False
+    text_1: ScoreTexts
+    text_2: ScoreTexts
+
+
 class TokenizeBody(EdgeBody):
     """``/tokenize``: a ``prompt`` as is, or chat ``messages`` through the model's template."""
 

@@ -123,7 +123,7 @@ class RefusedAtStart(Refused):
 _TOKENIZER = frozenset({Endpoint.TOKENIZE, Endpoint.DETOKENIZE})
 _TASK_ENDPOINTS = {
     "generate": frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS}) | _TOKENIZER,
-    "embed": frozenset({Endpoint.EMBEDDINGS}) | _TOKENIZER,
+    "embed": frozenset({Endpoint.EMBEDDINGS, Endpoint.RERANK, Endpoint.SCORE}) | _TOKENIZER,
 }
 
 
@@ -350,6 +350,19 @@ class _EmbeddingRequest(_Model):
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: _Int64 = 0
+
+
+class _RerankRequest(_Model):
+    query: str
+    documents: str | list[str]
+    top_n: Annotated[int, Field(ge=0)] = 0
+    priority: _Int64 = 0
+
+
+class _ScoreRequest(_Model):
+    text_1: str | list[str]
+    text_2: str | list[str]
     priority: _Int64 = 0
 
 
@@ -1188,6 +1201,8 @@ class SimulatedEngine:
             return _not_found(f"{endpoint.value} is not served by this worker")
         if endpoint is Endpoint.EMBEDDINGS:
             return await self._embed(body, request_id)
+        if endpoint in (Endpoint.RERANK, Endpoint.SCORE):
+            return await self._score(endpoint, body, request_id)
         try:
             if endpoint is Endpoint.TOKENIZE:
                 return self._tokenize(body)
@@ -1319,6 +1334,73 @@ class SimulatedEngine:
             },
         }
         return FullResult(orjson.dumps(full).decode(), usage)
+
+    async def _score(
+        self, endpoint: Endpoint, body: dict[str, Any], request_id: str
+    ) -> EngineResult:
+        """/v1/rerank and /v1/score: the cosine of each pair's vectors, as vLLM scores
+        with an embedding model; each pair's tokens are counted."""
+        rerank = endpoint is Endpoint.RERANK
+        try:
+            request: _RerankRequest | _ScoreRequest = (
+                _RerankRequest.model_validate(body)
+                if rerank
+                else _ScoreRequest.model_validate(body)
+            )
+        except ValidationError as exc:
+            return _invalid(exc)
+        if isinstance(request, _RerankRequest):
+            second = (
+                request.documents if isinstance(request.documents, list) else [request.documents]
+            )
+            first = [request.query] * len(second)
+        else:
+            first = request.text_1 if isinstance(request.text_1, list) else [request.text_1]
+            second = request.text_2 if isinstance(request.text_2, list) else [request.text_2]
+            if len(first) == 1:
+                first = first * len(second)
+            if len(first) != len(second):
+                return Refused("text_1 and text_2 must have the same length").result()
+        scores, tokens = [], 0
+        for a, b in zip(first, second, strict=True):
+            ids_a, ids_b = self._tokenizer.encode(a), self._tokenizer.encode(b)
+            tokens += len(ids_a) + len(ids_b)
+            scores.append(float(self._vector(ids_a) @ self._vector(ids_b)))
+        tally = current_tally.get()
+        if tally is not None:
+            tally.prompt_tokens = tokens
+        async with self._slots.hold(request.priority):
+            await asyncio.sleep(self.config.ttft_ms / 1000)
+        model = body.get("model", self.entry.id)
+        usage_json = {"prompt_tokens": tokens, "total_tokens": tokens}
+        reply: dict[str, Any]
+        if rerank:
+            ranked = sorted(enumerate(scores), key=lambda pair: pair[1], reverse=True)
+            results = [
+                {
+                    "index": i,
+                    "document": {"text": second[i], "multi_modal": None},
+                    "relevance_score": s,
+                }
+                for i, s in ranked
+            ]
+            top_n = getattr(request, "top_n", 0)
+            if 0 < top_n < len(results):
+                results = results[:top_n]
+            reply = {"id": f"rerank-{request_id}", "model": model, "usage": usage_json}
+            reply["results"] = results
+        else:
+            data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+            reply = {
+                "id": f"score-{request_id}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": model,
+                "data": data,
+                "usage": {**usage_json, "completion_tokens": 0, "prompt_tokens_details": None},
+            }
+        usage = Usage(prompt_tokens=tokens, completion_tokens=0)
+        return FullResult(orjson.dumps(reply).decode(), usage)
 
     def _tokenize(self, body: dict[str, Any]) -> EngineResult:
         """/tokenize: a prompt as is, or messages through the chat template (vLLM's rules)."""

@@ -296,6 +296,12 @@ class VllmEngine:
                 TypeAdapter(EmbeddingRequest).validate_python,
                 state.serving_embedding,
             )
+        scores = getattr(state, "serving_scores", None)
+        if scores is not None:  # an embedding model: similarity of its vectors
+            from vllm.entrypoints.pooling.scoring.protocol import RerankRequest, ScoreRequest
+
+            handlers[Endpoint.RERANK] = (RerankRequest.model_validate, scores)
+            handlers[Endpoint.SCORE] = (TypeAdapter(ScoreRequest).validate_python, scores)
         tokenization = getattr(state, "serving_tokenization", None)
         if tokenization is not None:  # every task's tokenizer
             from vllm.entrypoints.serve.tokenize.protocol import (

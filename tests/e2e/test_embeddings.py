@@ -186,3 +186,67 @@ async def test_a_key_may_embed_only_with_the_models_it_allows(
         )
     assert r.status_code in (403, 404), r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_rerank_and_score_rank_by_the_models_vectors(
+    stack: Stack, router_url: str, embed_worker: None, tokenizer: object
+) -> None:
+    key, _ = await make_key(stack, tenant=TENANT)
+    client = AsyncOpenAI(base_url=f"{router_url}/v1", api_key=key, max_retries=0)
+    documents = ["the cat sat on the mat", "hello world", "a third input"]
+    vectors = await client.embeddings.create(
+        model=EMBED_MODEL, input=["hello world", *documents], encoding_format="float"
+    )
+    query, *docs = [np.array(d.embedding) for d in vectors.data]
+    cosines = [float(query @ d) for d in docs]
+    counted = {}
+    async with httpx.AsyncClient(timeout=30) as http:
+        headers = {"Authorization": f"Bearer {key}"}
+        r = await http.post(
+            f"{router_url}/v1/rerank",
+            json={"model": EMBED_MODEL, "query": "hello world", "documents": documents},
+            headers=headers,
+        )
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -cosines[i])
+        for x in results:
+            assert abs(x["relevance_score"] - cosines[x["index"]]) < 1e-5
+        assert results[0]["index"] == 1  # the same text
+        counted[r.headers["x-request-id"]] = r.json()["usage"]["prompt_tokens"]
+        r = await http.post(
+            f"{router_url}/v1/rerank",
+            json={"model": EMBED_MODEL, "query": "hello world", "documents": documents, "top_n": 1},
+            headers=headers,
+        )
+        assert [x["index"] for x in r.json()["results"]] == [1]
+        counted[r.headers["x-request-id"]] = r.json()["usage"]["prompt_tokens"]
+        r = await http.post(
+            f"{router_url}/v1/score",
+            json={"model": EMBED_MODEL, "text_1": "hello world", "text_2": documents},
+            headers=headers,
+        )
+        assert r.status_code == 200, r.text
+        scores = [x["score"] for x in sorted(r.json()["data"], key=lambda x: x["index"])]
+        assert np.allclose(scores, cosines, atol=1e-5)
+        counted[r.headers["x-request-id"]] = r.json()["usage"]["prompt_tokens"]
+        # the edge's refusals: no query, no documents, a stream, a chat model
+        for path, body in [
+            ("/v1/rerank", {"documents": documents}),
+            ("/v1/rerank", {"query": "q", "documents": []}),
+            ("/v1/rerank", {"query": "q", "documents": documents, "stream": True}),
+            ("/v1/score", {"text_1": "a"}),
+            ("/v1/score", {"text_1": "a", "text_2": "b", "model": SIM_MODEL}),
+        ]:
+            r = await http.post(
+                f"{router_url}{path}", json={"model": EMBED_MODEL, **body}, headers=headers
+            )
+            assert r.status_code == 400, (path, body, r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+    # billed once each, by the tokens the engine counted
+    events = await usage_events(stack, set(counted))
+    assert sorted(e.request_id for e in events) == sorted(counted)
+    for event in events:
+        assert event.endpoint in ("rerank", "score")
+        assert (event.prompt_tokens, event.completion_tokens) == (counted[event.request_id], 0)
+        assert event.prompt_tokens > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -77,3 +78,32 @@ async def test_vectors_match_the_model_and_prompt_tokens_are_billed(
     by_ids = await client.embeddings.create(model=REAL_EMBED_MODEL, input=[ids])
     assert np.allclose(by_ids.data[0].embedding, got[1], atol=1e-5)
     assert by_ids.usage.prompt_tokens == len(ids) == counts[1]
+
+
+async def test_rerank_and_score_are_the_cosines_of_the_models_vectors(
+    router_url: str, api_key: str, embed_worker: None
+) -> None:
+    expected, counts = reference(TEXTS)
+    cosines = expected[1:] @ expected[0]
+    headers = {"Authorization": f"Bearer {api_key}"}
+    async with httpx.AsyncClient(timeout=120) as http:
+        r = await http.post(
+            f"{router_url}/v1/rerank",
+            json={"model": REAL_EMBED_MODEL, "query": TEXTS[0], "documents": TEXTS[1:]},
+            headers=headers,
+        )
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == list(np.argsort(-cosines))
+        for x in results:
+            assert abs(x["relevance_score"] - cosines[x["index"]]) < 1e-3
+        assert r.json()["usage"]["prompt_tokens"] > 0
+        r = await http.post(
+            f"{router_url}/v1/score",
+            json={"model": REAL_EMBED_MODEL, "text_1": TEXTS[0], "text_2": TEXTS[1:]},
+            headers=headers,
+        )
+        assert r.status_code == 200, r.text
+        scores = [x["score"] for x in sorted(r.json()["data"], key=lambda x: x["index"])]
+        assert np.allclose(scores, cosines, atol=1e-3)
+        assert r.json()["usage"]["prompt_tokens"] >= sum(counts[1:])

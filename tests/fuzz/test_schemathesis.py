@@ -97,7 +97,8 @@ DOCUMENTED_REFUSALS = re.compile(
     r"`prompt_logprobs` are not available when `stream=True`|"
     r"when using `top_logprobs`, `logprobs` must be set to true|"
     r"min_tokens must be less than or equal to|max_tokens must be at least 1, got 0|"
-    r"inputs in one request|Give either 'prompt' or 'messages'|: it does not serve"
+    r"(inputs|documents|pairs) in one request|Give either 'prompt' or 'messages'|"
+    r": it does not serve"
 )
 
 
@@ -224,6 +225,10 @@ def redact(text: str, headers: dict[str, str]) -> str:
     return text
 
 
+# The paths only an embedding model serves.
+EMBEDDING_PATHS = frozenset({"/v1/embeddings", "/v1/rerank", "/v1/score"})
+
+
 def to_a_simulated_model(case: Case) -> None:
     """Send half of the valid bodies that name a model to a simulated one of its task."""
     body = case.body
@@ -233,7 +238,7 @@ def to_a_simulated_model(case: Case) -> None:
     if not isinstance(body, dict) or not isinstance(body.get("model"), str):
         return
     if hashlib.sha256(repr(sorted(body.items(), key=str)).encode()).digest()[0] % 2:
-        body["model"] = EMBED_MODEL if case.operation.path == "/v1/embeddings" else SIM_MODEL
+        body["model"] = EMBED_MODEL if case.operation.path in EMBEDDING_PATHS else SIM_MODEL
 
 
 def drive(run: Run, examples: int) -> None:

@@ -29,6 +29,8 @@ class Endpoint(StrEnum):
     MESSAGES = "messages"
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
+    RERANK = "rerank"
+    SCORE = "score"
 
     @property
     def path(self) -> str:
@@ -44,6 +46,8 @@ _PATHS = {
     Endpoint.MESSAGES: "/v1/messages",
     Endpoint.TOKENIZE: "/tokenize",  # vllm serve's paths
     Endpoint.DETOKENIZE: "/detokenize",
+    Endpoint.RERANK: "/v1/rerank",
+    Endpoint.SCORE: "/v1/score",
 }
 
 
