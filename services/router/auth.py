@@ -110,8 +110,9 @@ def _token(request: web.Request) -> str | None:
     scheme, _, value = header.partition(" ")
     if scheme.lower() == "bearer" and value.strip():
         return value.strip()
-    api_key = request.headers.get("api-key", "").strip()  # Azure-style clients
-    return api_key or None
+    # Azure-style clients send api-key, Anthropic's SDKs x-api-key
+    api_key = request.headers.get("api-key", "") or request.headers.get("x-api-key", "")
+    return api_key.strip() or None
 
 
 BUCKETS = ("keys", "signing")

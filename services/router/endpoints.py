@@ -29,6 +29,7 @@ from services.router.protocol import (
     DetokenizeBody,
     EdgeBody,
     EmbeddingsBody,
+    MessagesBody,
     RerankBody,
     ScoreBody,
     TokenizeBody,
@@ -75,6 +76,8 @@ class EndpointSpec:
     body_model: ClassVar[type[EdgeBody]]
     # The object of a whole response (what a reassembled stream becomes).
     response_object: ClassVar[str]
+    # Errors in Anthropic's shape (its Messages API), not OpenAI's.
+    anthropic: ClassVar[bool] = False
 
     @property
     def path(self) -> str:
@@ -289,6 +292,72 @@ class EmbeddingsSpec(EndpointSpec):
         return "", body if isinstance(body, dict) else {}
 
 
+class MessagesSpec(EndpointSpec):
+    """Anthropic's ``/v1/messages``: chat for Anthropic's SDKs, with its errors and events."""
+
+    endpoint = Endpoint.MESSAGES
+    operation = "chat"
+    tasks = GENERATE
+    body_model = MessagesBody
+    response_object = "message"
+    anthropic = True
+
+    def prompts(self, body: Mapping[str, Any]) -> list[Any]:
+        return [[body.get("system"), body.get("messages")]]
+
+    def completion_limit(self, body: Mapping[str, Any]) -> int | None:
+        return max(1, _int_or(body.get("max_tokens"), 1))
+
+    def choices_per_prompt(self, body: Mapping[str, Any]) -> int:
+        return 1
+
+    def generations(self, body: Mapping[str, Any]) -> int:
+        return 1
+
+    def opening(self, body: Mapping[str, Any], limit: int) -> str:
+        system = body.get("system")
+        head = f"system\0{_text(system)}\0" if system else ""
+        messages = {"messages": body.get("messages")}
+        return (head + SPECS[Endpoint.CHAT].opening(messages, limit))[:limit]
+
+    def reassemble(self, streamed: bool, pieces: list[str]) -> tuple[str, dict[str, Any]]:
+        """The text blocks' text, and a whole message (a stream's events rebuilt)."""
+        if not streamed:
+            try:
+                body = orjson.loads("".join(pieces))
+            except orjson.JSONDecodeError:
+                return "", {}
+            if not isinstance(body, dict):
+                return "", {}
+            blocks = body.get("content") or []
+            text = "".join(b.get("text") or "" for b in blocks if isinstance(b, dict))
+            return text, body
+        texts: list[str] = []
+        message: dict[str, Any] = {}
+        for piece in pieces:
+            for line in piece.splitlines():
+                if not line.startswith("data: "):
+                    continue
+                try:
+                    event = orjson.loads(line[6:])
+                except orjson.JSONDecodeError:
+                    continue
+                kind = event.get("type")
+                if kind == "message_start":
+                    message = dict(event.get("message") or {})
+                elif kind == "content_block_delta":
+                    texts.append((event.get("delta") or {}).get("text") or "")
+                elif kind == "message_delta":
+                    message.update(event.get("delta") or {})
+                    message["usage"] = {
+                        **(message.get("usage") or {}),
+                        **(event.get("usage") or {}),
+                    }
+        text = "".join(texts)
+        message["content"] = [{"type": "text", "text": text}]
+        return text, message
+
+
 def _listed(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
 
@@ -379,6 +448,7 @@ SPECS: dict[Endpoint, EndpointSpec] = {
     for spec in (
         ChatSpec(),
         CompletionsSpec(),
+        MessagesSpec(),
         EmbeddingsSpec(),
         RerankSpec(),
         ScoreSpec(),

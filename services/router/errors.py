@@ -146,21 +146,28 @@ class InternalError(TollgateError):
     code = "internal_error"
 
 
-def error_body(exc: BaseException) -> tuple[int, bytes, dict[str, str]]:
-    """Status, JSON body and headers for any exception."""
+def error_body(exc: BaseException, anthropic: bool = False) -> tuple[int, bytes, dict[str, str]]:
+    """Status, JSON body and headers for any exception (``anthropic``: Anthropic's shape)."""
     if not isinstance(exc, TollgateError):
         exc = InternalError("The server had an error while processing your request.")
+    if anthropic:
+        body = wire_errors.anthropic_error_body(exc.status, exc.message)
+        return exc.status, orjson.dumps(body), exc.headers
     return exc.status, orjson.dumps(exc.body()), exc.headers
 
 
-def error_response(exc: BaseException, request_id: str | None = None) -> web.Response:
-    status, body, headers = error_body(exc)
+def error_response(
+    exc: BaseException, request_id: str | None = None, anthropic: bool = False
+) -> web.Response:
+    status, body, headers = error_body(exc, anthropic)
     if request_id:
         headers = {**headers, "x-request-id": request_id}
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
-def sse_error_event(exc: BaseException) -> bytes:
+def sse_error_event(exc: BaseException, anthropic: bool = False) -> bytes:
     """The same error as an SSE event, for a stream whose headers are sent."""
-    _, body, _ = error_body(exc)
+    _, body, _ = error_body(exc, anthropic)
+    if anthropic:
+        return b"event: error\ndata: " + body + b"\n\n"
     return b"data: " + body + b"\n\n"

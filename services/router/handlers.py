@@ -46,6 +46,7 @@ from tollgate.runtime import tracing
 from tollgate.runtime.httpserver import BodyTimeout
 from tollgate.runtime.logs import request_id_var
 from tollgate.wire.contracts import ChunkKind, Endpoint
+from tollgate.wire.errors import anthropic_error_body
 
 log = logging.getLogger("tollgate.router")
 
@@ -181,14 +182,14 @@ async def _serve_call(
             request.app[METRICS].rejected.labels(exc.code or exc.type).inc()
         ending = "client closed the request" if exc.status == 499 else "request refused"
         log.info(ending, extra={"status": exc.status, "code": exc.code or exc.type})
-        return error_response(exc, request_id)
+        return error_response(exc, request_id, SPECS[endpoint].anthropic)
     life = serving.life(call, prepared)
     if prepared.stream:
-        return await _stream(request, life)
-    return await _full(request, life)
+        return await _stream(request, life, SPECS[endpoint].anthropic)
+    return await _full(request, life, SPECS[endpoint].anthropic)
 
 
-async def _full(request: web.Request, life: CallLife) -> web.StreamResponse:
+async def _full(request: web.Request, life: CallLife, anthropic: bool) -> web.StreamResponse:
     request_id = life.call.request.request_id
     body = b""
     try:
@@ -199,9 +200,13 @@ async def _full(request: web.Request, life: CallLife) -> web.StreamResponse:
                         raise ClientGone
                     continue
                 if item.kind is not ChunkKind.END and item.data is not None:
-                    body, life.status = item.data.encode(), item.status or 200
+                    life.status = item.status or 200
+                    data = item.data
+                    if anthropic and life.status >= 400:
+                        data = _anthropic_error(data, life.status)
+                    body = data.encode()
     except TollgateError as exc:
-        return error_response(exc, request_id)
+        return error_response(exc, request_id, anthropic)
     except ClientGone:
         return _gone(request_id)
     return web.Response(
@@ -212,7 +217,7 @@ async def _full(request: web.Request, life: CallLife) -> web.StreamResponse:
     )
 
 
-async def _stream(request: web.Request, life: CallLife) -> web.StreamResponse:
+async def _stream(request: web.Request, life: CallLife, anthropic: bool) -> web.StreamResponse:
     call = life.call
     request_id = call.request.request_id
     response: web.StreamResponse | None = None
@@ -242,9 +247,12 @@ async def _stream(request: web.Request, life: CallLife) -> web.StreamResponse:
                     # The error came before any output: send it with its own status,
                     # as vllm serve does.
                     life.status = item.status or 500
+                    data = item.data or ""
+                    if anthropic:
+                        data = _anthropic_error(data, life.status)
                     return web.Response(
                         status=life.status,
-                        body=(item.data or "").encode(),
+                        body=data.encode(),
                         content_type="application/json",
                         headers=_headers(call),
                     )
@@ -258,13 +266,18 @@ async def _stream(request: web.Request, life: CallLife) -> web.StreamResponse:
                 data = item.data or ""
                 if item.kind is ChunkKind.ERROR:
                     # The engine failed mid-stream: end the stream as vLLM does.
-                    data = f"data: {data}\n\ndata: [DONE]\n\n"
+                    data = (
+                        f"event: error\ndata: {_anthropic_error(data, item.status or 500)}\n\n"
+                        if anthropic
+                        else f"data: {data}\n\ndata: [DONE]\n\n"
+                    )
                 await response.write(data.encode())
     except TollgateError as exc:
         if response is None:
-            return error_response(exc, request_id)
+            return error_response(exc, request_id, anthropic)
         try:
-            await response.write(sse_error_event(exc) + _DONE)
+            end = b"" if anthropic else _DONE  # an Anthropic stream has no [DONE]
+            await response.write(sse_error_event(exc, anthropic) + end)
         except ConnectionResetError:
             pass
         return response
@@ -273,6 +286,21 @@ async def _stream(request: web.Request, life: CallLife) -> web.StreamResponse:
     assert response is not None
     await response.write_eof()
     return response
+
+
+def _anthropic_error(data: str, status: int) -> str:
+    """An engine's error body (OpenAI's shape, as vLLM's serving layer writes it) in
+    Anthropic's, for ``/v1/messages``."""
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        body = None
+    if isinstance(body, dict) and body.get("type") == "error":
+        return data  # already Anthropic's
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    text = message if isinstance(message, str) and message.strip() else "The request failed."
+    return orjson.dumps(anthropic_error_body(status, text)).decode()
 
 
 def _model_card(entry: ModelEntry, created: int) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from services.router.protocol import (
     CompletionBody,
     DetokenizeBody,
     EmbeddingsBody,
+    MessagesBody,
     RerankBody,
     ScoreBody,
     TokenizeBody,
@@ -197,6 +198,41 @@ class Scores(BaseModel):
     usage: EmbeddingUsage
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(
+        description="Anthropic's error type (`invalid_request_error`, `authentication_error`, "
+        "`not_found_error`, `rate_limit_error`, `overloaded_error`, `api_error`, ...)."
+    )
+    message: str = Field(min_length=1, description="For people; never a traceback.")
+
+
+class AnthropicError(BaseModel):
+    """An error on `/v1/messages`, as Anthropic's API shapes it."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicUsage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    input_tokens: int = Field(ge=0, description="Prompt tokens: what is billed as prompt.")
+    output_tokens: int = Field(ge=0, description="Generated tokens.")
+
+
+class AnthropicMessage(BaseModel):
+    """A Messages API response, or (streamed) one of its events."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(description="`message`; in a stream, the event's type.")
+    id: str | None = None
+    role: Literal["assistant"] | None = None
+    content: list[dict[str, Any]] | None = None
+    stop_reason: str | None = None
+    usage: AnthropicUsage | None = None
+
+
 class Tokens(BaseModel):
     """A prompt's token ids, as the model's tokenizer makes them."""
 
@@ -359,6 +395,28 @@ def router_api(auth: bool = True) -> Api:
         ),
         Operation(
             "POST",
+            "/v1/messages",
+            "createMessage",
+            "Anthropic's Messages API: a message, whole or streamed (its server-sent events).",
+            ("inference",),
+            {
+                status: Answer(a.description, AnthropicError, headers=a.headers)
+                if status >= 400
+                else a
+                for status, a in _call_answers(
+                    AnthropicMessage, AnthropicMessage, unauthorized
+                ).items()
+            },
+            body=MessagesBody,
+            description="For Anthropic's SDKs and tools: the key may come as `x-api-key`, and "
+            'every error is Anthropic\'s `{"type": "error", "error": {"type", '
+            '"message"}}`. `max_tokens` is required and at most the model\'s context. Served '
+            "by vLLM's Anthropic layer over the model's chat template; usage rows count "
+            "`input_tokens` as prompt and `output_tokens` as completion tokens.",
+            error_model=AnthropicError,
+        ),
+        Operation(
+            "POST",
             "/v1/embeddings",
             "createEmbedding",
             "Vectors for one input or a batch, from an embedding model.",
@@ -458,6 +516,12 @@ def router_api(auth: bool = True) -> Api:
                 "in": "header",
                 "name": "api-key",
                 "description": "The same key, as Azure-style OpenAI clients send it.",
+            },
+            "anthropicApiKey": {
+                "type": "apiKey",
+                "in": "header",
+                "name": "x-api-key",
+                "description": "The same key, as Anthropic's SDKs send it.",
             },
         }
     return Api(

@@ -237,6 +237,30 @@ class EmbeddingsBody(EdgeBody):
     user: StrictStr | None = None
 
 
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: StrictStr = Field(min_length=1)
+    content: StrictStr | list[Any]
+
+
+class MessagesBody(EdgeBody):
+    """Anthropic's ``/v1/messages``: what the edge needs (the model, the turns, the token
+    limit Anthropic requires); vLLM's Anthropic serving layer checks the rest."""
+
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: TokenLimit
+    system: StrictStr | list[Any] | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def token_limit_param(self) -> str:
+        return "max_tokens"
+
+
 # A text of a rerank or score call.
 ScoreText = Annotated[StrictStr, Field(min_length=1)]
 ScoreTexts = ScoreText | Annotated[list[ScoreText], Field(min_length=1)]

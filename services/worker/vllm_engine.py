@@ -37,6 +37,7 @@ log = logging.getLogger("tollgate.worker.vllm")
 # The final usage event of a stream (chat and completions both render it so).
 _USAGE_MARK = '"choices":[],"usage":'
 _FINISH_MARK = '"finish_reason":"'
+_STOP_MARK = '"stop_reason":"'  # an Anthropic stream's message_delta
 
 
 def _vllm_samples(name: str, sample_name: str, model: str, registry: Any) -> list[float]:
@@ -284,6 +285,14 @@ class VllmEngine:
                 ChatCompletionRequest.model_validate,
                 state.openai_serving_chat.create_chat_completion,
             )
+        anthropic = getattr(state, "anthropic_serving_messages", None)
+        if anthropic is not None:
+            from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+            handlers[Endpoint.MESSAGES] = (
+                AnthropicMessagesRequest.model_validate,
+                anthropic.create_messages,
+            )
         if getattr(state, "openai_serving_completion", None) is not None:
             handlers[Endpoint.COMPLETIONS] = (
                 CompletionRequest.model_validate,
@@ -408,12 +417,24 @@ class VllmEngine:
             return _whole_response(result)
         counted = getattr(result, "usage", None)  # none: no tokens computed (tokenize)
         usage = Usage(
-            prompt_tokens=counted.prompt_tokens if counted else 0,
-            completion_tokens=(counted.completion_tokens or 0) if counted else 0,
+            # OpenAI's names, or Anthropic's (a Messages API response)
+            prompt_tokens=_count(counted, "prompt_tokens", "input_tokens"),
+            completion_tokens=_count(counted, "completion_tokens", "output_tokens"),
         )
         choices = getattr(result, "choices", None)
-        finish = choices[0].finish_reason if choices else None
-        return FullResult(result.model_dump_json(), usage, finish)
+        finish = choices[0].finish_reason if choices else getattr(result, "stop_reason", None)
+        # vllm serve writes an Anthropic message without its unset fields
+        text = result.model_dump_json(exclude_none=endpoint is Endpoint.MESSAGES)
+        return FullResult(text, usage, finish)
+
+
+def _count(usage: Any, *names: str) -> int:
+    """The first of ``names`` that ``usage`` has (0: none, or no usage)."""
+    for name in names:
+        value = getattr(usage, name, None)
+        if value is not None:
+            return int(value)
+    return 0
 
 
 def _whole_response(response: Any) -> EngineResult:
@@ -450,9 +471,10 @@ async def _relay(
                 )
                 yield StreamEvent(text, is_usage=True)
                 continue
-            if _FINISH_MARK in text:
-                start = text.index(_FINISH_MARK) + len(_FINISH_MARK)
-                result.finish_reason = text[start : text.index('"', start)]
+            for mark in (_FINISH_MARK, _STOP_MARK):
+                if mark in text:
+                    start = text.index(mark) + len(mark)
+                    result.finish_reason = text[start : text.index('"', start)]
             yield StreamEvent(text)
     finally:
         await source.aclose()

@@ -61,6 +61,25 @@ TRACEBACK = re.compile(
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
+# Anthropic's Messages API: its errors are Anthropic's {"type": "error", "error": {...}}.
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def _anthropic_error(response: Response, text: str) -> None:
+    shaped = f"A {response.status_code} that is not an Anthropic-shaped error: {text[:300]!r}"
+    try:
+        body = orjson.loads(response.content or b"")
+    except orjson.JSONDecodeError:
+        raise AssertionError(shaped) from None
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict) or set(body) != {"type", "error"} or body["type"] != "error":
+        raise AssertionError(shaped)
+    if set(error) != {"type", "message"} or not isinstance(error["type"], str):
+        raise AssertionError(shaped)
+    if not isinstance(error["message"], str) or not error["message"].strip():
+        raise AssertionError(shaped)
+
+
 def openai_errors(ctx: Any, response: Response, case: Case) -> bool | None:
     """Every error answer is OpenAI-shaped; no body quotes a traceback or a repr."""
     text = response.content.decode("utf-8", "replace") if response.content else ""
@@ -70,6 +89,8 @@ def openai_errors(ctx: Any, response: Response, case: Case) -> bool | None:
         raise AssertionError(f"Traceback or repr in the body: {excerpt!r}")
     if response.status_code < 400:
         return None
+    if case.operation.path == ANTHROPIC_PATH:
+        return _anthropic_error(response, text)
     shaped = f"A {response.status_code} that is not an OpenAI-shaped error: {text[:300]!r}"
     try:
         body = orjson.loads(response.content or b"")
@@ -115,13 +136,18 @@ def edge_accepts_what_the_document_admits(ctx: Any, response: Response, case: Ca
         return None
     try:
         error = orjson.loads(response.content)["error"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return None  # not OpenAI-shaped: openai_errors reports it
-    if isinstance(error["code"], int) or DOCUMENTED_REFUSALS.search(error["message"]):
+        code, message, param = error.get("code"), error["message"], error.get("param")
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return None  # not the error shape: openai_errors reports it
+    if case.operation.path == ANTHROPIC_PATH and "param" not in error:
+        # Anthropic's shape names no code: the engine's own refusals are told by their
+        # wording (vLLM's validation lists its errors), the edge's by the document's
+        if not message.startswith(("Missing required parameter", "Invalid value for")):
+            return None
+    if isinstance(code, int) or DOCUMENTED_REFUSALS.search(message):
         return None
     raise AssertionError(
-        f"The edge refused a body the document admits: {error['message']!r} "
-        f"(param {error['param']!r})"
+        f"The edge refused a body the document admits: {message!r} (param {param!r})"
     )
 
 
@@ -494,9 +520,9 @@ def answer(status: int, body: bytes) -> Any:
     return SimpleNamespace(status_code=status, content=body)
 
 
-def valid_case(body: Any = None) -> Any:
+def valid_case(body: Any = None, path: str = "/v1/chat/completions") -> Any:
     meta = SimpleNamespace(generation=SimpleNamespace(mode=GenerationMode.POSITIVE))
-    return SimpleNamespace(meta=meta, body=body)
+    return SimpleNamespace(meta=meta, body=body, operation=SimpleNamespace(path=path))
 
 
 OPENAI = (
@@ -525,6 +551,25 @@ def test_the_error_check_tells_openai_errors_from_others(
     else:
         with pytest.raises(AssertionError):
             openai_errors(None, answer(status, body), valid_case())
+
+
+ANTHROPIC = b'{"type": "error", "error": {"type": "invalid_request_error", "message": "No."}}'
+
+
+def test_the_error_check_wants_anthropics_shape_on_messages() -> None:
+    messages = valid_case(path="/v1/messages")
+    assert openai_errors(None, answer(400, ANTHROPIC), messages) is None
+    for wrong in (OPENAI, ANTHROPIC.replace(b'"No."', b'""'), b'{"type": "error"}'):
+        with pytest.raises(AssertionError):
+            openai_errors(None, answer(400, wrong), messages)
+    with pytest.raises(AssertionError):  # and OpenAI's everywhere else
+        openai_errors(None, answer(400, ANTHROPIC), valid_case())
+    # the edge's own refusal of a valid body is caught in Anthropic's shape too
+    refused = orjson.dumps(
+        {"type": "error", "error": {"type": "x", "message": "Invalid value for 'n'."}}
+    )
+    with pytest.raises(AssertionError):
+        edge_accepts_what_the_document_admits(None, answer(400, refused), messages)
 
 
 def test_the_edge_check_allows_only_documented_refusals() -> None:

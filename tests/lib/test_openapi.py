@@ -105,7 +105,9 @@ def test_every_operation_answers_errors_with_the_error_schema() -> None:
                         schema = _response_schema(doc, response)
                         if path in ("/readyz",):
                             continue  # a probe: the readiness body, with 503
-                        assert schema == {"$ref": "#/components/schemas/Error"}, (
+                        # Anthropic's Messages API answers errors in Anthropic's shape
+                        shape = "AnthropicError" if path == "/v1/messages" else "Error"
+                        assert schema == {"$ref": f"#/components/schemas/{shape}"}, (
                             f"{name}: {method.upper()} {path} {status}"
                         )
 
@@ -313,15 +315,18 @@ async def test_every_served_error_answer_is_the_error_shape(factory: Any, tmp_pa
                 if path == "/readyz" or (status != "default" and int(status) < 400):
                     continue
                 schema = response["content"]["application/json"]["schema"]
-                assert schema == {"$ref": "#/components/schemas/Error"}, (
+                # Anthropic's Messages API answers errors in Anthropic's shape
+                shape = "AnthropicError" if path == "/v1/messages" else "Error"
+                assert schema == {"$ref": f"#/components/schemas/{shape}"}, (
                     f"{method.upper()} {path} {status}"
                 )
 
 
 async def test_the_router_document_follows_its_key_setting(tmp_path: Path) -> None:
     with_keys, _ = await served(router_app(tmp_path))
-    assert set(with_keys["components"]["securitySchemes"]) == {"bearer", "azureApiKey"}
-    assert with_keys["security"] == [{"bearer": []}, {"azureApiKey": []}]
+    schemes = {"bearer", "azureApiKey", "anthropicApiKey"}
+    assert set(with_keys["components"]["securitySchemes"]) == schemes
+    assert with_keys["security"] == [{"bearer": []}, {"azureApiKey": []}, {"anthropicApiKey": []}]
     assert "401" in with_keys["paths"]["/v1/chat/completions"]["post"]["responses"]
     without, _ = await served(router_app_without_keys(tmp_path))
     assert without["security"] == [] and without["components"]["securitySchemes"] == {}
@@ -345,6 +350,7 @@ REFERENCE_BODIES = {
     "TokenizeBody": "TokenizeRequest",
     "RerankBody": "RerankRequest",
     "ScoreBody": "ScoreRequest",
+    "MessagesBody": "MessagesRequest",
     "DetokenizeBody": "DetokenizeRequest",
 }
 

@@ -128,6 +128,8 @@ class Operation:
     description: str | None = None
     parameters: tuple[PathParameter, ...] = ()
     public: bool = False  # no credential (security: [])
+    # The shape of its errors (default and in streams): OpenAI's Error unless it says
+    error_model: type[BaseModel] | None = None
 
 
 @dataclass(frozen=True)
@@ -229,9 +231,7 @@ def sse_event_schema(
                 "if": {"const": "[DONE]"},
                 "else": {
                     "contentMediaType": "application/json",
-                    "contentSchema": {
-                        "anyOf": [dict(data), {"$ref": REF_TEMPLATE.format(model="Error")}]
-                    },
+                    "contentSchema": {"anyOf": [dict(data), dict(error)]},
                 },
             },
             "event": {"type": "string"},
@@ -268,6 +268,8 @@ def _models(api: Api) -> list[tuple[type[BaseModel], JsonSchemaMode]]:
     """Every model the document refers to, each once per mode, in a stable order."""
     seen: dict[tuple[type[BaseModel], JsonSchemaMode], None] = {(Error, "serialization"): None}
     for op in api.operations:
+        if op.error_model is not None:
+            seen[(op.error_model, "serialization")] = None
         if op.body is not None:
             seen[(op.body, "validation")] = None
         for answer in op.answers.values():
@@ -279,7 +281,9 @@ def _models(api: Api) -> list[tuple[type[BaseModel], JsonSchemaMode]]:
     return list(seen)
 
 
-def _answer(answer: Answer, refs: Mapping[Any, Any]) -> dict[str, Any]:
+def _answer(
+    answer: Answer, refs: Mapping[Any, Any], error: type[BaseModel] = Error
+) -> dict[str, Any]:
     out: dict[str, Any] = {"description": answer.description}
     if answer.headers:
         out["headers"] = {
@@ -295,7 +299,7 @@ def _answer(answer: Answer, refs: Mapping[Any, Any]) -> dict[str, Any]:
             continue
         # Server-sent events: before OpenAPI 3.2's itemSchema, a stream's schema is read
         # (by schemathesis, among others) as the schema of each event, its fields parsed
-        event_ref, error_ref = refs[(event, "serialization")], refs[(Error, "serialization")]
+        event_ref, error_ref = refs[(event, "serialization")], refs[(error, "serialization")]
         content[media] = {"schema": sse_event_schema(schema, event_ref, error_ref)}
     if content:
         out["content"] = content
@@ -307,9 +311,10 @@ def build_document(api: Api) -> dict[str, Any]:
     refs, definitions = models_json_schema(
         _models(api), ref_template=REF_TEMPLATE, schema_generator=_Schemas
     )
-    error_ref = refs[(Error, "serialization")]
     paths: dict[str, dict[str, Any]] = {}
     for op in api.operations:
+        error = op.error_model or Error
+        error_ref = refs[(error, "serialization")]
         item: dict[str, Any] = {
             "tags": list(op.tags),
             "operationId": op.operation_id,
@@ -335,7 +340,9 @@ def build_document(api: Api) -> dict[str, Any]:
                 "required": op.body_required,
                 "content": {"application/json": {"schema": refs[(op.body, "validation")]}},
             }
-        responses = {str(status): _answer(a, refs) for status, a in sorted(op.answers.items())}
+        responses = {
+            str(status): _answer(a, refs, error) for status, a in sorted(op.answers.items())
+        }
         responses["default"] = {
             "description": ERROR_DESCRIPTION,
             "content": {"application/json": {"schema": error_ref}},
