@@ -22,6 +22,8 @@
    (``bench/stack.py``).
 10. Embeddings: /v1/embeddings through Tollgate vs vLLM's own server on the
     same embedding model (``bench/embeddings.py``).
+11. Anthropic Messages API: Tollgate's /v1/messages vs vllm serve's
+    /v1/chat/completions and /v1/messages (``bench/messages.py``).
 
 Results go to docs/benchmarks.md (and bench/results/latest.json).
 """
@@ -333,6 +335,7 @@ def main() -> None:
             "routing",
             "stack",
             "embeddings",
+            "messages",
         ],
     )
     parser.add_argument(
@@ -419,6 +422,10 @@ def main() -> None:
                 **bench_embeddings(work, env, ns.quick),
                 "date": results["date"],
             }
+        if ns.only in (None, "messages"):
+            from bench.messages import bench_messages
+
+            results["messages"] = {**bench_messages(work, env, ns.quick), "date": results["date"]}
         if ns.only in (None, "inference"):
             results["inference"] = {
                 **bench_inference(work, env, ns.quick),

@@ -79,6 +79,31 @@ async def stream_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any
     return Sample(stamps[0] - start, itls, completion, end - start)
 
 
+async def stream_messages(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Sample:
+    """One streaming Anthropic Messages call; times every text delta."""
+    start = time.perf_counter()
+    stamps: list[float] = []
+    completion = 0
+    async with http.post(url, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            event = orjson.loads(line[6:])
+            kind = event.get("type")
+            if kind == "content_block_delta" and (event.get("delta") or {}).get("text"):
+                stamps.append(time.perf_counter())
+            elif kind == "message_delta":
+                completion = (event.get("usage") or {}).get("output_tokens", completion)
+    end = time.perf_counter()
+    if not stamps:
+        raise RuntimeError("no content streamed")
+    itls = [b - a for a, b in itertools.pairwise(stamps)]
+    return Sample(stamps[0] - start, itls, completion, end - start)
+
+
 async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Sample:
     """One non-streaming call; its latency is the whole round trip."""
     start = time.perf_counter()
@@ -98,15 +123,17 @@ async def run_load(
     *,
     stream: bool = True,
     headers: dict[str, str] | None = None,
+    anthropic: bool = False,
 ) -> RunStats:
-    """Send ``bodies`` with at most ``concurrency`` in flight; collect samples."""
+    """Send ``bodies`` with at most ``concurrency`` in flight; collect samples
+    (``anthropic``: streamed as Anthropic's Messages API streams)."""
     stats = RunStats()
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     for body in bodies:
         queue.put_nowait(body)
     connector = aiohttp.TCPConnector(limit=concurrency * 2)
     timeout = aiohttp.ClientTimeout(total=600)
-    call = stream_chat if stream else post_json
+    call = (stream_messages if anthropic else stream_chat) if stream else post_json
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as http:
 
         async def worker() -> None:

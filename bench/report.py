@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.embeddings import render as _embeddings
+from bench.messages import render as _messages
 from bench.routing import render as _routing
 from bench.stack import render as _stack
 
@@ -583,7 +584,7 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         "Every figure below comes from `make bench` (`python -m bench`; `--only gateway`,",
         "`--only bus`, `--only inference`, `--only metering`, `--only scaler`,",
         "`--only registry`, `--only control`, `--only fairness`, `--only routing`,",
-        "`--only stack` or `--only embeddings` reruns one part), with each",
+        "`--only stack`, `--only embeddings` or `--only messages` reruns one part), with each",
         "system and its baseline measured side by side in the same run. Performance is never",
         "asserted in the test suite; it is measured here.",
         "",
@@ -615,6 +616,7 @@ _PARTS = {
     "routing": _routing,
     "stack": _stack,
     "embeddings": _embeddings,
+    "messages": _messages,
     "soak": _soak,
 }
 _PART_TITLES = {
@@ -629,6 +631,7 @@ _PART_TITLES = {
     "routing": ("Cache-aware routing",),
     "stack": ("Stack",),
     "embeddings": ("Embeddings",),
+    "messages": ("Anthropic Messages API",),
     "soak": ("Soak",),
 }
 
