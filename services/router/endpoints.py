@@ -65,6 +65,15 @@ def _text(content: Any) -> str:
     return ""
 
 
+def _whole_body(pieces: list[str]) -> dict[str, Any]:
+    """A whole (not streamed) JSON answer relayed in ``pieces``; {} when it is not an object."""
+    try:
+        body = orjson.loads("".join(pieces))
+    except orjson.JSONDecodeError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 class EndpointSpec:
     """One operation: what the edge checks, reserves, routes by and captures."""
 
@@ -139,12 +148,7 @@ class EndpointSpec:
     def reassemble(self, streamed: bool, pieces: list[str]) -> tuple[str, dict[str, Any]]:
         """(generated text, response JSON) from the relayed data (SSE events or one body)."""
         if not streamed:
-            try:
-                body = orjson.loads("".join(pieces))
-            except orjson.JSONDecodeError:
-                return "", {}
-            if not isinstance(body, dict):
-                return "", {}
+            body = _whole_body(pieces)
             choices = body.get("choices") or [{}]
             return self.choice_text(choices[0], streamed=False), body
         texts: list[str] = []
@@ -285,11 +289,7 @@ class EmbeddingsSpec(EndpointSpec):
             )
 
     def reassemble(self, streamed: bool, pieces: list[str]) -> tuple[str, dict[str, Any]]:
-        try:
-            body = orjson.loads("".join(pieces))
-        except orjson.JSONDecodeError:
-            return "", {}
-        return "", body if isinstance(body, dict) else {}
+        return "", _whole_body(pieces)
 
 
 class MessagesSpec(EndpointSpec):
@@ -323,12 +323,7 @@ class MessagesSpec(EndpointSpec):
     def reassemble(self, streamed: bool, pieces: list[str]) -> tuple[str, dict[str, Any]]:
         """The text blocks' text, and a whole message (a stream's events rebuilt)."""
         if not streamed:
-            try:
-                body = orjson.loads("".join(pieces))
-            except orjson.JSONDecodeError:
-                return "", {}
-            if not isinstance(body, dict):
-                return "", {}
+            body = _whole_body(pieces)
             blocks = body.get("content") or []
             text = "".join(b.get("text") or "" for b in blocks if isinstance(b, dict))
             return text, body
