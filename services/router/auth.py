@@ -41,7 +41,7 @@ from services.router.errors import (
 from tollgate.keys.records import KeyRecord, KeyState, SigningKey
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import InvalidToken, TokenVerifier, strip_prefix
-from tollgate.models.catalog import ModelEntry
+from tollgate.models.catalog import Target
 from tollgate.wire.contracts import Priority
 from tollgate.wire.topology import Role, Topology
 
@@ -373,7 +373,11 @@ class KeyMirror:
         return InvalidApiKey("Incorrect API key provided.")
 
     @staticmethod
-    def authorize(principal: Principal, entry: ModelEntry, requested: str) -> None:
-        """A model the key may not use is reported as not found, as OpenAI does."""
-        if not principal.record.allows(entry.names):
+    def authorize(principal: Principal, target: Target, requested: str) -> None:
+        """A model the key may not use is reported as not found, as OpenAI does.
+
+        An adapter is matched by its own names: a key allowed its base model
+        is not thereby allowed its adapters, nor the other way round.
+        """
+        if not principal.record.allows(target.names):
             raise ModelNotFound(requested)

@@ -41,7 +41,7 @@ from services.router.errors import (
     sse_error_event,
 )
 from services.router.lifecycle import CallLife, ClientGone, Keepalive
-from tollgate.models.catalog import ModelEntry
+from tollgate.models.catalog import Catalog, Target
 from tollgate.runtime import tracing
 from tollgate.runtime.httpserver import BodyTimeout
 from tollgate.runtime.logs import request_id_var
@@ -109,8 +109,8 @@ def _principal(request: web.Request) -> Principal | None:
     return request.app[KEYS].authenticate(request)
 
 
-def _visible(principal: Principal | None, entry: ModelEntry) -> bool:
-    return principal is None or principal.record.allows(entry.names)
+def _visible(principal: Principal | None, target: Target) -> bool:
+    return principal is None or principal.record.allows(target.names)
 
 
 def call_handler(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -161,7 +161,7 @@ async def _serve_call(
             span.request(prepared.body["model"], prepared.body, choices)
             span.set("tollgate.tenant", principal.tenant if principal else "anonymous")
         if principal is not None:
-            request.app[KEYS].authorize(principal, prepared.entry, prepared.body["model"])
+            request.app[KEYS].authorize(principal, prepared.target, prepared.body["model"])
         # a replayed request (tollgate replay) is not captured again: only a replay key's
         replayed = replay_exempt(principal.record if principal else None, request.headers)
         priority = request_priority(
@@ -303,32 +303,37 @@ def _anthropic_error(data: str, status: int) -> str:
     return orjson.dumps(anthropic_error_body(status, text)).decode()
 
 
-def _model_card(entry: ModelEntry, created: int) -> dict[str, Any]:
+def _model_card(target: Target, created: int) -> dict[str, Any]:
+    """A model's card; an adapter's names its base model as ``parent`` (as vllm serve does)."""
+    entry, adapter = target
     return {
-        "id": entry.id,
+        "id": target.billed,
         "object": "model",
         "created": created,
         "owned_by": "tollgate",
         "max_model_len": entry.max_model_len,
-        "aliases": entry.aliases,
+        "aliases": adapter.aliases if adapter is not None else entry.aliases,
+        "parent": entry.id if adapter is not None else None,
     }
 
 
 async def list_models(request: web.Request) -> web.Response:
     created = request.app[STARTED_AT]
-    entries = request.app[CATALOG].models.values()
+    catalog: Catalog = request.app[CATALOG]
     principal = _principal(request)
-    data = [_model_card(e, created) for e in entries if _visible(principal, e)]
+    targets = [Target(e) for e in catalog.models.values()]
+    targets += [Target(catalog.models[a.base], a) for a in catalog.adapters.values()]
+    data = [_model_card(t, created) for t in targets if _visible(principal, t)]
     return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
 
 async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
-    entry = request.app[CATALOG].resolve(name)
+    target = request.app[CATALOG].target(name)
     principal = _principal(request)  # 401 comes before 404
-    if entry is None or not _visible(principal, entry):
+    if target is None or not _visible(principal, target):
         return error_response(ModelNotFound(name))
-    return web.json_response(_model_card(entry, request.app[STARTED_AT]), dumps=_dumps)
+    return web.json_response(_model_card(target, request.app[STARTED_AT]), dumps=_dumps)
 
 
 def _dumps(value: Any) -> str:

@@ -257,6 +257,11 @@ class Model(BaseModel):
     owned_by: str
     max_model_len: int = Field(description="The context length, prompt and completion together.")
     aliases: list[str] = Field(description="Other names the model answers to.")
+    parent: str | None = Field(
+        default=None,
+        description="For a LoRA adapter, the model it adapts (whose workers run it); null for "
+        "a model.",
+    )
 
 
 class ModelList(BaseModel):

@@ -34,7 +34,7 @@ from services.router.overload import DrainMeter, hold_until
 from services.router.protocol import normalise
 from services.router.settings import RouterSettings
 from services.router.usage import UsagePublisher
-from tollgate.models.catalog import Catalog, ModelEntry
+from tollgate.models.catalog import AdapterEntry, Catalog, ModelEntry, Target
 from tollgate.runtime import tracing
 from tollgate.runtime.jsonbody import dotted, integer_beyond_64_bits, integer_message
 from tollgate.runtime.workers import WorkerView
@@ -81,10 +81,15 @@ def _check_depth(raw: bytes, body: dict[str, Any]) -> None:
 @dataclass(frozen=True)
 class Prepared:
     endpoint: Endpoint
-    entry: ModelEntry
+    entry: ModelEntry  # the model whose workers run it
     body: dict[str, Any]
     stream: bool
     wants_usage: bool
+    adapter: AdapterEntry | None = None  # the LoRA adapter the call names, if any
+
+    @property
+    def target(self) -> Target:
+        return Target(self.entry, self.adapter)
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
@@ -177,9 +182,10 @@ class OpenAIServing:
         if (problem := checked.problem()) is not None:
             raise InvalidRequest(problem[0], param=problem[1])
         normalise(checked, body)
-        entry = self.catalog.resolve(checked.model)
-        if entry is None:
+        target = self.catalog.target(checked.model)
+        if target is None:
             raise ModelNotFound(checked.model)
+        entry = target.entry
         if entry.task not in spec.tasks:
             raise InvalidRequest(
                 f"`{checked.model}` is {_TASK_NAMES[entry.task]}: it does not serve "
@@ -196,7 +202,9 @@ class OpenAIServing:
                 f"({entry.max_model_len} tokens).",
                 param=param,
             )
-        return Prepared(endpoint, entry, body, bool(checked.stream), checked.wants_usage)
+        return Prepared(
+            endpoint, entry, body, bool(checked.stream), checked.wants_usage, target.adapter
+        )
 
     async def submit(
         self,
@@ -250,7 +258,7 @@ class OpenAIServing:
                         time=time.time(),
                         tenant=(principal.tenant if principal else None) or "anonymous",
                         key_id=principal.key_id if principal else None,
-                        model=prepared.entry.id,
+                        model=prepared.target.billed,
                         prompt_tokens=0,
                         completion_tokens=0,
                         outcome=Outcome.NOT_DISPATCHED,
@@ -317,6 +325,7 @@ class OpenAIServing:
         request = InferenceRequest(
             request_id=request_id,
             model=prepared.entry.id,
+            adapter=prepared.adapter.id if prepared.adapter is not None else None,
             endpoint=prepared.endpoint,
             body=prepared.body,
             reply_to=self.dispatcher.reply_subject(request_id),
@@ -568,7 +577,7 @@ class OpenAIServing:
             time=time.time(),
             tenant=request.tenant or "anonymous",
             key_id=request.key_id,
-            model=request.model,
+            model=request.billed_model,
             worker_id=call.worker_id,
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,

@@ -142,7 +142,7 @@ class UsagePublisher:
             {
                 "tenant": request.tenant or "anonymous",
                 "key_id": request.key_id,
-                "model": request.model,
+                "model": request.billed_model,
                 "endpoint": request.endpoint.value,
                 "streamed": streamed,
                 "enqueued_at": request.enqueued_at,

@@ -10,18 +10,20 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from services.worker.adapters import Adapters, Prepare
 from services.worker.consumer import WorkerConsumer
 from services.worker.engine import Engine, ErrorResult, LoadingEngine
 from services.worker.lifetime import StartInterrupted, kill_engine_processes
 from services.worker.metrics import WorkerMetrics, create_http_app
 from services.worker.settings import WorkerSettings
 from tollgate.models.cache import hold_entry, prepare_model
-from tollgate.models.catalog import ModelEntry, load_catalog
+from tollgate.models.catalog import AdapterEntry, ModelEntry, load_catalog
 from tollgate.models.sources import FetchOptions
 from tollgate.runtime import httpserver
 from tollgate.runtime.httpserver import HttpLimits
@@ -64,6 +66,7 @@ def create_engine(
     common: CommonSettings,
     parts: dict[str, float] | None = None,
     cache_dir: Path | None = None,
+    adapters: Sequence[AdapterEntry] = (),
 ) -> Engine:
     """Prepare the weights (fetch, convert) and build the engine (not started yet)."""
     timings: dict[str, float] = {}
@@ -84,7 +87,22 @@ def create_engine(
         return SimulatedEngine(entry, model_path)
     from services.worker.vllm_engine import VllmEngine
 
-    return VllmEngine(entry, model_path)
+    return VllmEngine(entry, model_path, adapters)
+
+
+def adapter_preparer(common: CommonSettings, cache_dir: Path | None = None) -> Prepare:
+    """Fetch an adapter's files through the model cache, as a model's weights are."""
+
+    def prepare(adapter: AdapterEntry) -> Path:
+        return prepare_model(
+            adapter,
+            cache_dir or common.model_cache_dir,
+            options=FetchOptions.from_settings(common),
+            budget_bytes=common.model_cache_budget,
+            progress=ProgressLog(adapter.id),
+        )
+
+    return prepare
 
 
 async def warm_up(engine: Engine, entry: ModelEntry) -> None:
@@ -150,7 +168,9 @@ async def start_or_stop(
 
 async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     """Serve one model until SIGTERM/SIGINT or a drain request, then drain."""
-    entry = load_catalog(common.catalog).get(settings.model)
+    catalog = load_catalog(common.catalog)
+    entry = catalog.get(settings.model)
+    adapters = catalog.adapters_of(entry.id)
     nc = await common.connect(Role.WORKER, f"worker-{settings.worker_id}")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -175,13 +195,14 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
     await consumer.announce()
     # In a thread: a long download must not stall NATS pings and heartbeats.
     try:
-        engine = await asyncio.to_thread(create_engine, entry, common, parts, private)
+        engine = await asyncio.to_thread(create_engine, entry, common, parts, private, adapters)
     except BaseException:
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
         await consumer.drain()
         raise
     consumer.engine = engine
+    consumer.adapters = Adapters(entry.id, adapters, adapter_preparer(common, private))
     # the cached weights stay ours while we run: eviction and `models rm` skip them
     lease = hold_entry(engine.model_path)
 
@@ -232,6 +253,7 @@ async def run_worker(settings: WorkerSettings, common: CommonSettings) -> None:
             await http.cleanup()
         if lease is not None:
             lease.close()
+        consumer.adapters.close()
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
         log.info("worker stopped")

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -19,6 +20,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 
+from services.worker.adapters import Adapters
 from services.worker.claims import Claimed, WorkClaims
 from services.worker.engine import (
     Engine,
@@ -31,6 +33,7 @@ from services.worker.engine import (
 )
 from services.worker.metrics import WorkerMetrics
 from services.worker.settings import WorkerSettings
+from tollgate.models.catalog import AdapterEntry
 from tollgate.runtime import tracing
 from tollgate.runtime.logs import request_id_var
 from tollgate.wire import codec
@@ -110,6 +113,10 @@ class _Reply:
         return False
 
 
+def _no_adapter_files(adapter: AdapterEntry) -> Path:
+    raise LookupError(f"no adapter files for {adapter.id}")
+
+
 class WorkerConsumer:
     def __init__(
         self,
@@ -124,6 +131,7 @@ class WorkerConsumer:
         self.metrics = metrics
         self.js: JetStreamContext = nc.jetstream()
         self.engine = engine
+        self.adapters = Adapters(model_id, [], _no_adapter_files)  # the app sets the catalog's
         self.settings = settings
         self.subjects = subjects
         self.topology = Topology(subjects)
@@ -407,7 +415,7 @@ class WorkerConsumer:
                 # The class reaches the engine as its own request priority,
                 # whatever priority the client put in the body.
                 body = {**request.body, "priority": ENGINE_PRIORITY[request.priority]}
-                running = self.engine.run(request.endpoint, body, request.request_id)
+                running = self._run(request, body)
                 result = await (self._started(reply, running) if compact else running)
                 if isinstance(result, ErrorResult):
                     outcome = Outcome.ERROR
@@ -462,6 +470,15 @@ class WorkerConsumer:
         )
         self._reporting.add(report)
         report.add_done_callback(self._reporting.discard)
+
+    async def _run(self, request: InferenceRequest, body: dict[str, Any]) -> EngineResult:
+        """Run the call on the engine; an adapter it names is loaded first, if need be."""
+        if request.adapter is not None:
+            refused = await self.adapters.ready(request.adapter, self.engine.load_adapter)
+            if refused is not None:
+                return refused
+            body["model"] = request.adapter  # the engine knows it by its id, not an alias
+        return await self.engine.run(request.endpoint, body, request.request_id)
 
     @staticmethod
     async def _started(reply: _Reply, running: Awaitable[EngineResult]) -> EngineResult:

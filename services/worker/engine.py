@@ -142,6 +142,10 @@ class Engine(Protocol):
         """Start one request; a StreamResult must be iterated to completion or closed."""
         ...
 
+    async def load_adapter(self, name: str, path: Path) -> ErrorResult | None:
+        """Load the LoRA adapter in ``path`` as model ``name``; the engine's refusal, if any."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
 
@@ -167,6 +171,9 @@ class LoadingEngine:
         return None
 
     async def run(self, endpoint: Endpoint, body: dict[str, Any], request_id: str) -> EngineResult:
+        raise RuntimeError("the engine is still loading")
+
+    async def load_adapter(self, name: str, path: Path) -> ErrorResult | None:
         raise RuntimeError("the engine is still loading")
 
     def stats(self) -> EngineStats:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import heapq
 import itertools
 import json
@@ -759,6 +760,9 @@ class _Plan:
     # vLLM does not read the prefix cache for a request that wants its prompt's
     # logprobs (it still writes it)
     read_cache: bool = True
+    # where in its reply text it starts: a loaded adapter's replies start elsewhere
+    # than the base model's, so a test sees which one answered
+    offset: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -897,6 +901,7 @@ class SimulatedEngine:
         self._vocab_size = 0
         self._max_token_id = 0
         self._hidden_size = 384
+        self._adapters: dict[str, int] = {}  # loaded adapter -> where its replies start
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -918,6 +923,20 @@ class SimulatedEngine:
             await asyncio.sleep(self.config.startup_s)
 
     async def stop(self) -> None:
+        return None
+
+    async def load_adapter(self, name: str, path: Path) -> ErrorResult | None:
+        """Take a PEFT adapter folder, as vLLM does (its weights are not read)."""
+        config = path / "adapter_config.json"
+        if not config.is_file():
+            return Refused(f"No adapter found for {path}").result()
+        rank = orjson.loads(config.read_bytes()).get("r")
+        if not isinstance(rank, int) or rank < 1:
+            return Refused(f"The adapter's rank {rank!r} is not a positive integer").result()
+        # a start in the reply text of its own, never the base model's (0)
+        self._adapters[name] = 1 + int(hashlib.sha256(name.encode()).hexdigest(), 16) % (
+            len(self._pieces) - 1
+        )
         return None
 
     @property
@@ -1218,6 +1237,7 @@ class SimulatedEngine:
             return _invalid(exc)
         except Refused as refused:
             return refused.result()
+        plan.offset = self._adapters.get(body.get("model", ""), 0)
         chat = plan.chat
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
         meta = {
@@ -1484,7 +1504,7 @@ class SimulatedEngine:
                 for step in range(max(counts, default=0)):
                     if step:
                         await asyncio.sleep(gap)
-                    piece = self._pieces[step % len(self._pieces)]
+                    piece = self._pieces[(plan.offset + step) % len(self._pieces)]
                     steps = step + 1
                     for index, count in enumerate(counts):
                         if step < count:

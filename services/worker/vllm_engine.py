@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -29,7 +29,7 @@ from services.worker.engine import (
     current_tally,
 )
 from services.worker.lifetime import guard_engine_processes, interrupted_by_stop_signals
-from tollgate.models.catalog import ModelEntry
+from tollgate.models.catalog import AdapterEntry, ModelEntry
 from tollgate.wire.contracts import Endpoint, Usage
 
 log = logging.getLogger("tollgate.worker.vllm")
@@ -84,14 +84,21 @@ def vllm_counter(name: str, model: str, registry: Any = None) -> int | None:
 # A request's class reaches vLLM as its own ``priority`` field (ENGINE_PRIORITY):
 # only vLLM's priority policy orders waiting requests by it (fcfs ignores it).
 SCHEDULING_POLICY = "priority"
+# Adapters one batch may mix (vLLM's --max-loras), when a model has that many.
+MAX_LORAS_PER_BATCH = 4
 
 
 class EngineArgsError(ValueError):
     """A catalog's engine_args that the worker cannot run with."""
 
 
-def build_engine_argv(entry: ModelEntry, model_path: Path) -> list[str]:
+def build_engine_argv(
+    entry: ModelEntry, model_path: Path, adapters: Sequence[AdapterEntry] = ()
+) -> list[str]:
     """Command-line arguments for vLLM's own parser, as ``vllm serve`` takes them.
+
+    A model with catalog adapters runs with LoRA on, room for the largest
+    adapter's rank, and up to four adapters in one batch.
 
     The catalog's own arguments come last; :func:`parse_engine_args` refuses
     those that undo what the worker needs (the priority policy). Prefix
@@ -101,6 +108,11 @@ def build_engine_argv(entry: ModelEntry, model_path: Path) -> list[str]:
     """
     # An embedding model runs vLLM's pooling runner; prefix caching is for generation.
     by_task = ["--enable-prefix-caching"] if entry.task == "generate" else ["--runner", "pooling"]
+    lora = []
+    if adapters:
+        rank = max(a.rank for a in adapters)
+        lora = ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras"]
+        lora.append(str(min(len(adapters), MAX_LORAS_PER_BATCH)))
     return [
         "--model",
         str(model_path),
@@ -113,11 +125,14 @@ def build_engine_argv(entry: ModelEntry, model_path: Path) -> list[str]:
         "--scheduling-policy",
         SCHEDULING_POLICY,
         *by_task,
+        *lora,
         *entry.engine_args,
     ]
 
 
-def parse_engine_args(entry: ModelEntry, model_path: Path) -> Any:
+def parse_engine_args(
+    entry: ModelEntry, model_path: Path, adapters: Sequence[AdapterEntry] = ()
+) -> Any:
     """vLLM's parsed serve arguments for ``entry``, checked as vllm serve checks them.
 
     The policy is read from what vLLM's parser made of the whole command line
@@ -132,7 +147,7 @@ def parse_engine_args(entry: ModelEntry, model_path: Path) -> Any:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())  # type: ignore[no-untyped-call]
-    args = parser.parse_args(build_engine_argv(entry, model_path))
+    args = parser.parse_args(build_engine_argv(entry, model_path, adapters))
     if args.scheduling_policy != SCHEDULING_POLICY:
         raise EngineArgsError(
             f"{entry.id}: engine_args set the scheduling policy to "
@@ -212,9 +227,12 @@ class VllmEngine:
     name = "vllm"
     start_blocks_loop = True  # building the engine client waits for the engine core
 
-    def __init__(self, entry: ModelEntry, model_path: Path) -> None:
+    def __init__(
+        self, entry: ModelEntry, model_path: Path, adapters: Sequence[AdapterEntry] = ()
+    ) -> None:
         self.entry = entry
         self.model_path = model_path
+        self.adapters = list(adapters)
         self.slots_total = 0
         self.scheduling_policy = ""  # the running engine's, once started
         # as the catalog's arguments ask, then as the running engine has it (vLLM
@@ -225,6 +243,7 @@ class VllmEngine:
         self._client: Any = None
         self._handlers: dict[Endpoint, tuple[Any, Any]] = {}
         self._args: Any = None
+        self._models: Any = None  # vLLM's OpenAIServingModels: served names and adapters
 
     async def start(self) -> None:
         from starlette.datastructures import State
@@ -235,7 +254,7 @@ class VllmEngine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = parse_engine_args(self.entry, self.model_path)
+        args = parse_engine_args(self.entry, self.model_path, self.adapters)
         self._args = args
         self.prefix_caching = prefix_caching_asked(args)
         engine_args = AsyncEngineArgs.from_cli_args(args)
@@ -276,6 +295,7 @@ class VllmEngine:
         state = State()
         tasks = await client.get_supported_tasks()
         await init_app_state(cast(Any, TallyingEngineClient(client)), state, args, tasks)
+        self._models = state.openai_serving_models
         # The worker's half of each endpoint (the router's is services/router/endpoints.py):
         # endpoint -> (what checks the body, the serving method), for the endpoints
         # this model's task serves.
@@ -330,6 +350,18 @@ class VllmEngine:
 
     async def stop(self) -> None:
         await self._stack.aclose()
+
+    async def load_adapter(self, name: str, path: Path) -> ErrorResult | None:
+        """Register the adapter with vLLM's serving layer, which has the engine load it."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        loaded = await self._models.load_lora_adapter(
+            LoadLoRAAdapterRequest(lora_name=name, lora_path=str(path))
+        )
+        if isinstance(loaded, ErrorResponse):
+            return ErrorResult(loaded.model_dump_json(), loaded.error.code)
+        return None
 
     async def _invalid(self, exc: ValidationError) -> ErrorResult:
         """The 400 body vllm serve sends when its request model rejects a body."""

@@ -7,9 +7,7 @@ real engine's embeddings are tested in ``test_embeddings_real.py``.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -19,13 +17,11 @@ from openai import AsyncOpenAI, BadRequestError
 from transformers import AutoTokenizer
 
 from tests.conftest import EMBED_MODEL, SIM_MODEL, Stack
-from tests.lib.streams import read_subject
+from tests.lib.streams import tenant_usage
 from tests.router.test_auth import make_key
 from tollgate.models.catalog import load_catalog
 from tollgate.models.sources import open_source
-from tollgate.wire import codec
 from tollgate.wire.contracts import Outcome, UsageEvent
-from tollgate.wire.subjects import Subjects
 
 TENANT = "embedder"
 
@@ -43,23 +39,8 @@ def tokenizer() -> object:
 
 
 async def usage_events(stack: Stack, ids: set[str], timeout: float = 30) -> list[UsageEvent]:
-    """The usage events of the calls ``ids``, once each has one (or the timeout)."""
-    subjects = Subjects()
-    nc = await stack.nats.connect(name="test-embeddings")
-    try:
-        js = nc.jetstream()
-        deadline = time.monotonic() + timeout
-        while True:
-            events = [
-                e
-                for m in await read_subject(js, subjects.usage_tenant(TENANT))
-                if (e := codec.decode(UsageEvent, m.data)).request_id in ids
-            ]
-            if len(events) >= len(ids) or time.monotonic() > deadline:
-                return events
-            await asyncio.sleep(0.2)
-    finally:
-        await nc.close()
+    """The usage events of this module's tenant's calls ``ids``."""
+    return list((await tenant_usage(stack.nats, TENANT, ids, timeout)).values())
 
 
 async def test_the_openai_sdk_embeds_strings_lists_and_token_arrays(

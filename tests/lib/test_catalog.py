@@ -68,3 +68,58 @@ def test_a_local_folder_is_used_where_it_is(tmp_path: Path) -> None:
     timings: dict[str, float] = {}
     assert prepare_model(entry, tmp_path / "cache", timings=timings) == folder
     assert timings == {} and not (tmp_path / "cache").exists(), "nothing copied"
+
+
+ADAPTED = """
+[models.base]
+source = "file:///x"
+prices = [{ valid_from = 2026-01-01, prompt = 1, completion = 2 }]
+[models.embedder]
+source = "file:///e"
+task = "embed"
+[adapters.tuned]
+base = "base"
+source = "file:///a"
+aliases = ["tuned-alias"]
+[adapters.priced]
+base = "base"
+source = "file:///p"
+rank = 32
+prices = [{ valid_from = 2026-02-01, prompt = 3, completion = 4 }]
+"""
+
+
+def test_adapters_resolve_to_their_base_model(tmp_path: Path) -> None:
+    path = tmp_path / "m.toml"
+    path.write_text(ADAPTED)
+    catalog = load_catalog(path)
+    target = catalog.target("tuned-alias")
+    assert target is not None and target.adapter is not None
+    assert target.entry.id == "base" and target.billed == "tuned"
+    assert target.names == ["tuned", "tuned-alias"]  # a key's globs match the adapter's names
+    model = catalog.target("base")
+    assert model is not None and model.adapter is None and model.billed == "base"
+    assert catalog.target("nope") is None
+    assert catalog.resolve("tuned") is None, "an adapter is no model of its own"
+    assert [a.id for a in catalog.adapters_of("base")] == ["tuned", "priced"]
+    # an adapter without prices is billed at its base model's
+    assert catalog.prices_of("tuned") == catalog.models["base"].prices
+    assert [p.prompt for p in catalog.prices_of("priced")] == [3]
+
+
+@pytest.mark.parametrize(
+    ("extra", "problem"),
+    [
+        ('[adapters.x]\nbase = "nope"\nsource = "file:///a"\n', "not a catalog id"),
+        ('[adapters.x]\nbase = "embedder"\nsource = "file:///a"\n', "not a generative"),
+        ('[adapters.x]\nbase = "base"\nsource = "file:///a"\nrank = 12\n', "rank must be"),
+        ('[adapters.x]\nbase = "base"\nsource = "file:///a"\naliases = ["base"]\n', "'base'"),
+        ('[adapters.x]\nbase = "base"\nsource = "file:///a"\nnope = 1\n', "nope"),
+    ],
+    ids=["unknown-base", "embedding-base", "rank", "name-clash", "unknown-field"],
+)
+def test_a_wrong_adapter_is_refused(tmp_path: Path, extra: str, problem: str) -> None:
+    path = tmp_path / "m.toml"
+    path.write_text(ADAPTED + extra)
+    with pytest.raises(ValueError, match=problem):
+        load_catalog(path)

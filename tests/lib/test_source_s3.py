@@ -19,7 +19,7 @@ from tests.lib.net import refused_port
 from tests.lib.s3_server import CuttingProxy, ListingProxy, MotoServer
 from tollgate.app.modelcli import ProgressBar
 from tollgate.models.cache import MANIFEST, cache_entries, check_entry, prepare_model
-from tollgate.models.catalog import ModelEntry
+from tollgate.models.catalog import AdapterEntry, ModelEntry
 from tollgate.models.sources import FetchOptions, ModelSourceError, no_progress, open_source
 
 WEIGHTS = os.urandom(12 << 20)  # 12 MiB: a three-part multipart upload of 5 MiB parts
@@ -358,3 +358,23 @@ def test_the_progress_line() -> None:
     )
     bar("fetch", 4_000_000_000, 4_000_000_000)
     assert out.getvalue().splitlines()[-1].startswith("fetch     [########################] 100%")
+
+
+def test_an_adapter_is_fetched_cached_and_verified_like_a_model(
+    moto: MotoServer, tmp_path: Path, lora_adapter: Path
+) -> None:
+    for file in lora_adapter.iterdir():
+        moto.put("models", f"adapters/pirate/{file.name}", file.read_bytes())
+    adapter = AdapterEntry(id="pirate", base="acme/tiny", source="s3://models/adapters/pirate")
+    cache = tmp_path / "cache"
+    timings: dict[str, float] = {}
+    folder = prepare_model(adapter, cache, options=options(moto), timings=timings)
+    assert "fetch" in timings and check_entry(folder, full=True) == []
+    for file in lora_adapter.iterdir():
+        assert (folder / file.name).read_bytes() == file.read_bytes()
+    weights = folder / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1])  # damaged: fetched again on the next use
+    again: dict[str, float] = {}
+    assert prepare_model(adapter, cache, options=options(moto), timings=again) == folder
+    assert "fetch" in again
+    assert weights.read_bytes() == (lora_adapter / "adapter_model.safetensors").read_bytes()

@@ -17,7 +17,7 @@ import pytest
 from services.metering import store as store_module
 from services.metering.store import Migration, UsageStore, load_migrations
 from tollgate.analytics import render, report_parameters, report_sql
-from tollgate.models.catalog import Catalog, ModelEntry, Price
+from tollgate.models.catalog import AdapterEntry, Catalog, ModelEntry, Price
 
 DAY = datetime(2026, 11, 2, tzinfo=UTC).timestamp()
 
@@ -141,6 +141,36 @@ def test_cost_view_applies_the_price_in_force(store: UsageStore) -> None:
         ("m/b", 2): (Decimal("1"), "EUR", True),
         ("m/b", 3): (None, None, False),  # past valid_to: unpriced, not free
     }
+
+
+def test_an_adapters_usage_is_priced_at_its_own_price_else_its_base_models(
+    store: UsageStore,
+) -> None:
+    def price(prompt: str, completion: str) -> Price:
+        return Price(
+            valid_from=date(2026, 1, 1), prompt=Decimal(prompt), completion=Decimal(completion)
+        )
+
+    catalog = Catalog(
+        models={"m/a": ModelEntry(id="m/a", source="file:///nowhere", prices=[price("1", "2")])},
+        adapters={
+            "m/a-plain": AdapterEntry(id="m/a-plain", base="m/a", source="file:///x"),
+            "m/a-dear": AdapterEntry(
+                id="m/a-dear", base="m/a", source="file:///y", prices=[price("10", "20")]
+            ),
+        },
+    )
+    assert store.sync_prices(catalog) == 3
+    nov2 = DAY + 3600
+    store.insert(
+        [
+            event(1, time=nov2, model="m/a", prompt_tokens=1_000_000, completion_tokens=0),
+            event(2, time=nov2, model="m/a-plain", prompt_tokens=1_000_000, completion_tokens=0),
+            event(3, time=nov2, model="m/a-dear", prompt_tokens=1_000_000, completion_tokens=0),
+        ]
+    )
+    got = dict(store.writer.query("SELECT model, cost FROM usage_cost").result_rows)
+    assert got == {"m/a": Decimal("1"), "m/a-plain": Decimal("1"), "m/a-dear": Decimal("10")}
 
 
 def test_existing_ids_finds_stored_requests(store: UsageStore) -> None:

@@ -18,7 +18,7 @@ from tollgate.models.cache import (
     prepare_model,
     remove_entry,
 )
-from tollgate.models.catalog import ModelEntry, load_catalog
+from tollgate.models.catalog import AdapterEntry, ModelEntry, Weights, load_catalog
 from tollgate.models.sources import FetchOptions
 from tollgate.runtime.settings import CommonSettings
 
@@ -150,7 +150,7 @@ class ProgressBar:
         self.out.flush()
 
 
-def _state(entry: ModelEntry, cache: Path) -> str:
+def _state(entry: Weights, cache: Path) -> str:
     found = entries_for(entry, cache)
     if not found:
         local = entry.source.split("://", 1)[0] in ("file", "package")
@@ -171,13 +171,19 @@ def run_models(action: str, ids: list[str], *, fix: bool = False) -> int:
     catalog = load_catalog(common.catalog)
     cache = common.model_cache_dir
     options = FetchOptions.from_settings(common)
-    try:
-        entries = [catalog.get(m) for m in ids] if ids else list(catalog.models.values())
-    except KeyError as exc:
-        print(f"error: {exc.args[0]}", file=sys.stderr)
-        return 1
+    # models and LoRA adapters alike: each has files the cache prepares
+    every: list[ModelEntry | AdapterEntry] = [*catalog.models.values(), *catalog.adapters.values()]
+    entries = every
+    if ids:
+        entries = []
+        for name in ids:
+            found = catalog.resolve(name) or catalog.resolve_adapter(name)
+            if found is None:
+                print(f"error: model {name!r} is not in the catalog", file=sys.stderr)
+                return 1
+            entries.append(found)
 
-    def prepare(entry: ModelEntry, timings: dict[str, float]) -> Path:
+    def prepare(entry: Weights, timings: dict[str, float]) -> Path:
         # The bar below is the progress display: the libraries' own bars (tqdm
         # in transformers' GGUF loading and saving, huggingface_hub's
         # downloads) would write over its line. Read when they are imported,
@@ -196,7 +202,8 @@ def run_models(action: str, ids: list[str], *, fix: bool = False) -> int:
     if action == "list":
         for entry in entries:
             aliases = f" (aliases: {', '.join(entry.aliases)})" if entry.aliases else ""
-            print(f"{entry.id}\t{entry.engine}\t{_state(entry, cache)}\t{entry.source}{aliases}")
+            kind = entry.engine if isinstance(entry, ModelEntry) else f"adapter of {entry.base}"
+            print(f"{entry.id}\t{kind}\t{_state(entry, cache)}\t{entry.source}{aliases}")
         return 0
     if action in ("prepare", "pull"):
         for entry in entries:

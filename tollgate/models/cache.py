@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from tollgate.models.catalog import ModelEntry
+from tollgate.models.catalog import Weights
 from tollgate.models.sources import (
     FetchOptions,
     FileDigests,
@@ -246,7 +246,7 @@ def evict(cache_dir: Path, budget_bytes: int, keep: Path | None = None) -> list[
 
 
 def prepare_model(
-    entry: ModelEntry,
+    entry: Weights,
     cache_dir: Path,
     *,
     options: FetchOptions | None = None,
@@ -397,7 +397,7 @@ def _finish(target: Path, cache_dir: Path, budget_bytes: int | None) -> Path:
     return target
 
 
-def entries_for(entry: ModelEntry, cache_dir: Path) -> list[CacheEntry]:
+def entries_for(entry: Weights, cache_dir: Path) -> list[CacheEntry]:
     """The cache entries prepared from a catalog model's source."""
     return [e for e in cache_entries(cache_dir) if e.source == entry.source]
 

@@ -7,9 +7,19 @@ from datetime import date
 from decimal import Decimal
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Weights(Protocol):
+    """What the model cache prepares files for: a model or an adapter."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
 
 
 class SimulatedEngineConfig(BaseModel):
@@ -157,8 +167,93 @@ class ModelEntry(BaseModel):
         return [self.id, *self.aliases]
 
 
+# The LoRA ranks vLLM's --max-lora-rank takes.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class AdapterEntry(BaseModel):
+    """A LoRA adapter of a catalog model, served by that model's workers.
+
+    Clients name it as a model; its calls queue with its base model's, run on
+    the base model's workers (vLLM loads the adapter on first use) and are
+    billed under the adapter's id.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    base: str = Field(description="The catalog id of the model it adapts.")
+    source: str = Field(description="Where the adapter's files come from (a URI).")
+    aliases: list[str] = Field(default_factory=list)
+    rank: int = Field(
+        default=16,
+        description="The adapter's LoRA rank at most; its base model's workers make room "
+        "for the largest rank among its adapters (vLLM's --max-lora-rank).",
+    )
+    prices: list[Price] = Field(
+        default_factory=list, description="Billing prices over time (none: its base model's)."
+    )
+
+    @model_validator(mode="after")
+    def _known_rank(self) -> AdapterEntry:
+        if self.rank not in LORA_RANKS:
+            raise ValueError(f"{self.id}: rank must be one of {', '.join(map(str, LORA_RANKS))}")
+        return self
+
+    @property
+    def names(self) -> list[str]:
+        return [self.id, *self.aliases]
+
+
+class Target(NamedTuple):
+    """What a model name in a call runs: a catalog model, and the adapter on it if any."""
+
+    entry: ModelEntry
+    adapter: AdapterEntry | None = None
+
+    @property
+    def billed(self) -> str:
+        """The id usage rows carry: the adapter's, else the model's."""
+        return self.adapter.id if self.adapter is not None else self.entry.id
+
+    @property
+    def names(self) -> list[str]:
+        """The names a key's model globs are matched against."""
+        return self.adapter.names if self.adapter is not None else self.entry.names
+
+
 class Catalog(BaseModel):
     models: dict[str, ModelEntry]
+    adapters: dict[str, AdapterEntry] = Field(default_factory=dict)
+
+    def target(self, name: str) -> Target | None:
+        """What a call naming ``name`` (a model or an adapter, by id or alias) runs."""
+        entry = self.resolve(name)
+        if entry is not None:
+            return Target(entry)
+        adapter = self.resolve_adapter(name)
+        if adapter is None:
+            return None
+        return Target(self.models[adapter.base], adapter)
+
+    def resolve_adapter(self, name: str) -> AdapterEntry | None:
+        """The adapter whose id or alias is ``name``."""
+        adapter = self.adapters.get(name)
+        if adapter is not None:
+            return adapter
+        return next((a for a in self.adapters.values() if name in a.aliases), None)
+
+    def adapters_of(self, model_id: str) -> list[AdapterEntry]:
+        """The adapters whose base is ``model_id``."""
+        return [a for a in self.adapters.values() if a.base == model_id]
+
+    def prices_of(self, billed: str) -> list[Price]:
+        """The prices a usage row's model is billed at (an adapter: its own, else its base's)."""
+        adapter = self.adapters.get(billed)
+        if adapter is not None:
+            return adapter.prices or self.models[adapter.base].prices
+        entry = self.models.get(billed)
+        return entry.prices if entry is not None else []
 
     def resolve(self, name: str) -> ModelEntry | None:
         """The entry whose id or alias is ``name``."""
@@ -183,12 +278,24 @@ def load_catalog(path: Path | None = None) -> Catalog:
         text = resources.files("tollgate.models").joinpath("models.toml").read_text()
     else:
         text = Path(path).read_text()
-    raw = tomllib.loads(text).get("models", {})
+    data = tomllib.loads(text)
+    raw = data.get("models", {})
     models = {mid: ModelEntry.model_validate({"id": mid, **spec}) for mid, spec in raw.items()}
+    adapters = {
+        aid: AdapterEntry.model_validate({"id": aid, **spec})
+        for aid, spec in data.get("adapters", {}).items()
+    }
     seen: dict[str, str] = {}
-    for entry in models.values():
-        for name in entry.names:
-            if name in seen and seen[name] != entry.id:
-                raise ValueError(f"name {name!r} is used by {seen[name]!r} and {entry.id!r}")
-            seen[name] = entry.id
-    return Catalog(models=models)
+    items: list[ModelEntry | AdapterEntry] = [*models.values(), *adapters.values()]
+    for item in items:
+        for name in item.names:
+            if name in seen and seen[name] != item.id:
+                raise ValueError(f"name {name!r} is used by {seen[name]!r} and {item.id!r}")
+            seen[name] = item.id
+    for adapter in adapters.values():
+        base = models.get(adapter.base)
+        if base is None:
+            raise ValueError(f"adapter {adapter.id!r}: base {adapter.base!r} is not a catalog id")
+        if base.task != "generate":
+            raise ValueError(f"adapter {adapter.id!r}: base {base.id!r} is not a generative model")
+    return Catalog(models=models, adapters=adapters)

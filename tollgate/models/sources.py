@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from tollgate.models.catalog import ModelEntry
+from tollgate.models.catalog import Weights
 
 if TYPE_CHECKING:
     from tollgate.runtime.settings import CommonSettings
@@ -123,7 +123,7 @@ class FetchOptions:
 class Source(ABC):
     """One model source. Local sources return a path; remote ones list and fetch."""
 
-    def __init__(self, entry: ModelEntry, options: FetchOptions) -> None:
+    def __init__(self, entry: Weights, options: FetchOptions) -> None:
         self.entry = entry
         self.uri = entry.source
         self.options = options
@@ -159,7 +159,7 @@ class Source(ABC):
 
 
 class LocalSource(Source):
-    def __init__(self, entry: ModelEntry, options: FetchOptions, path: Path) -> None:
+    def __init__(self, entry: Weights, options: FetchOptions, path: Path) -> None:
         super().__init__(entry, options)
         self.path = path
 
@@ -176,7 +176,7 @@ class LocalSource(Source):
         raise self.error("a local source is used in place")
 
 
-def _package_path(entry: ModelEntry, package: str, inner: str) -> Path:
+def _package_path(entry: Weights, package: str, inner: str) -> Path:
     spec = importlib.util.find_spec(package)
     # find_spec does not import the package, so a package whose __init__
     # needs other software still serves as a file carrier.
@@ -199,7 +199,7 @@ class S3Source(Source):
     connection cut mid-part resumes that part where it stopped.
     """
 
-    def __init__(self, entry: ModelEntry, options: FetchOptions) -> None:
+    def __init__(self, entry: Weights, options: FetchOptions) -> None:
         super().__init__(entry, options)
         uri = urlparse(entry.source)
         self.bucket = uri.netloc
@@ -530,7 +530,7 @@ class HuggingFaceSource(Source):
     newest cached entry of the same URI (see ``modelprep``).
     """
 
-    def __init__(self, entry: ModelEntry, options: FetchOptions) -> None:
+    def __init__(self, entry: Weights, options: FetchOptions) -> None:
         super().__init__(entry, options)
         uri = urlparse(entry.source)
         match = _HF_URI.match(f"{uri.netloc}{uri.path}".rstrip("/"))
@@ -677,7 +677,7 @@ def _files(folder: Path) -> Iterator[Path]:
 # -- dispatch ---------------------------------------------------------------
 
 
-def open_source(entry: ModelEntry, options: FetchOptions | None = None) -> Source:
+def open_source(entry: Weights, options: FetchOptions | None = None) -> Source:
     """The adapter for ``entry.source`` (by its URI scheme)."""
     options = options or FetchOptions()
     uri = urlparse(entry.source)

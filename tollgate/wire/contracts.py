@@ -76,6 +76,11 @@ class InferenceRequest(_Contract):
     type: Literal["tg.infer.v1"] = Field(default="tg.infer.v1", description="Contract type id.")
     request_id: str = Field(description="Tollgate request id; also the client's x-request-id.")
     model: str = Field(description="Canonical model id from the catalog.")
+    adapter: str | None = Field(
+        default=None,
+        description="The catalog id of the LoRA adapter of ``model`` the call names, if any: "
+        "run on the model's workers, billed under the adapter's id.",
+    )
     endpoint: Endpoint = Field(description="Which OpenAI operation to run.")
     body: dict[str, Any] = Field(description="The client's JSON body, passed to the serving layer.")
     reply_to: str = Field(description="Core NATS subject where the worker sends response chunks.")
@@ -104,6 +109,11 @@ class InferenceRequest(_Contract):
         "START_HOLD_S of its start may have no START (its first chunk carries worker_id), and "
         "a non-stream body may ride on END instead of a DATA chunk before it.",
     )
+
+    @property
+    def billed_model(self) -> str:
+        """The id its usage row carries: the adapter's, else the model's."""
+        return self.adapter or self.model
 
 
 class Arrival(_Contract):
