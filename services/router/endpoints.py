@@ -16,7 +16,7 @@ a row in that table, and their tests.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import orjson
@@ -31,6 +31,7 @@ from services.router.protocol import (
     EmbeddingsBody,
     MessagesBody,
     RerankBody,
+    ResponsesBody,
     ScoreBody,
     TokenizeBody,
 )
@@ -72,6 +73,20 @@ def _whole_body(pieces: list[str]) -> dict[str, Any]:
     except orjson.JSONDecodeError:
         return {}
     return body if isinstance(body, dict) else {}
+
+
+def _events(pieces: list[str]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a relayed stream's ``data:`` lines (``[DONE]`` and the like skipped)."""
+    for piece in pieces:
+        for line in piece.splitlines():
+            if not line.startswith("data: "):
+                continue
+            try:
+                event = orjson.loads(line[6:])
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(event, dict):
+                yield event
 
 
 class EndpointSpec:
@@ -155,21 +170,14 @@ class EndpointSpec:
         finish = None
         head: dict[str, Any] = {}
         usage = None
-        for piece in pieces:
-            for line in piece.splitlines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+        for event in _events(pieces):
+            head = head or {k: event.get(k) for k in ("id", "created", "model")}
+            usage = event.get("usage") or usage
+            for choice in event.get("choices") or []:
+                if choice.get("index", 0) != 0:
                     continue
-                try:
-                    event = orjson.loads(line[6:])
-                except orjson.JSONDecodeError:
-                    continue
-                head = head or {k: event.get(k) for k in ("id", "created", "model")}
-                usage = event.get("usage") or usage
-                for choice in event.get("choices") or []:
-                    if choice.get("index", 0) != 0:
-                        continue
-                    texts.append(self.choice_text(choice, streamed=True))
-                    finish = choice.get("finish_reason") or finish
+                texts.append(self.choice_text(choice, streamed=True))
+                finish = choice.get("finish_reason") or finish
         text = "".join(texts)
         choice = {**self.whole_choice(text), "finish_reason": finish}
         body = {**head, "object": self.response_object, "choices": [choice]}
@@ -292,7 +300,17 @@ class EmbeddingsSpec(EndpointSpec):
         return "", _whole_body(pieces)
 
 
-class MessagesSpec(EndpointSpec):
+class OneReplySpec(EndpointSpec):
+    """An operation whose call is one conversation with one reply (no ``n``, no batch)."""
+
+    def choices_per_prompt(self, body: Mapping[str, Any]) -> int:
+        return 1
+
+    def generations(self, body: Mapping[str, Any]) -> int:
+        return 1
+
+
+class MessagesSpec(OneReplySpec):
     """Anthropic's ``/v1/messages``: chat for Anthropic's SDKs, with its errors and events."""
 
     endpoint = Endpoint.MESSAGES
@@ -307,12 +325,6 @@ class MessagesSpec(EndpointSpec):
 
     def completion_limit(self, body: Mapping[str, Any]) -> int | None:
         return max(1, _int_or(body.get("max_tokens"), 1))
-
-    def choices_per_prompt(self, body: Mapping[str, Any]) -> int:
-        return 1
-
-    def generations(self, body: Mapping[str, Any]) -> int:
-        return 1
 
     def opening(self, body: Mapping[str, Any], limit: int) -> str:
         system = body.get("system")
@@ -329,28 +341,73 @@ class MessagesSpec(EndpointSpec):
             return text, body
         texts: list[str] = []
         message: dict[str, Any] = {}
-        for piece in pieces:
-            for line in piece.splitlines():
-                if not line.startswith("data: "):
-                    continue
-                try:
-                    event = orjson.loads(line[6:])
-                except orjson.JSONDecodeError:
-                    continue
-                kind = event.get("type")
-                if kind == "message_start":
-                    message = dict(event.get("message") or {})
-                elif kind == "content_block_delta":
-                    texts.append((event.get("delta") or {}).get("text") or "")
-                elif kind == "message_delta":
-                    message.update(event.get("delta") or {})
-                    message["usage"] = {
-                        **(message.get("usage") or {}),
-                        **(event.get("usage") or {}),
-                    }
+        for event in _events(pieces):
+            kind = event.get("type")
+            if kind == "message_start":
+                message = dict(event.get("message") or {})
+            elif kind == "content_block_delta":
+                texts.append((event.get("delta") or {}).get("text") or "")
+            elif kind == "message_delta":
+                message.update(event.get("delta") or {})
+                message["usage"] = {**(message.get("usage") or {}), **(event.get("usage") or {})}
         text = "".join(texts)
         message["content"] = [{"type": "text", "text": text}]
         return text, message
+
+
+def _output_text(response: Mapping[str, Any]) -> str:
+    """The text of a Responses API response: its messages' ``output_text`` parts."""
+    texts: list[str] = []
+    for item in response.get("output") or ():
+        if isinstance(item, Mapping) and item.get("type") == "message":
+            for part in item.get("content") or ():
+                if isinstance(part, Mapping) and part.get("type") == "output_text":
+                    texts.append(str(part.get("text") or ""))
+    return "".join(texts)
+
+
+class ResponsesSpec(OneReplySpec):
+    """OpenAI's Responses API, stateless: ``input`` (text or items) and ``instructions``."""
+
+    endpoint = Endpoint.RESPONSES
+    operation = "chat"
+    tasks = GENERATE
+    body_model = ResponsesBody
+    response_object = "response"
+
+    def prompts(self, body: Mapping[str, Any]) -> list[Any]:
+        return [[body.get("instructions"), body.get("input")]]
+
+    def completion_limit(self, body: Mapping[str, Any]) -> int | None:
+        """``max_output_tokens``; None: up to the context."""
+        value = _int_or(body.get("max_output_tokens"), 0)
+        return value if value >= 1 else None
+
+    def opening(self, body: Mapping[str, Any], limit: int) -> str:
+        """The instructions and the first input item: every later call repeats them."""
+        instructions = body.get("instructions")
+        head = f"system\0{instructions}\0" if isinstance(instructions, str) else ""
+        first = body.get("input")
+        if isinstance(first, list):
+            first = first[0] if first else ""
+        if isinstance(first, Mapping):
+            first = f"{first.get('role')}\0{_text(first.get('content'))}"
+        return (head + (first if isinstance(first, str) else ""))[:limit]
+
+    def reassemble(self, streamed: bool, pieces: list[str]) -> tuple[str, dict[str, Any]]:
+        """The output text, and the whole response (a stream's last event carries it)."""
+        if not streamed:
+            body = _whole_body(pieces)
+            return _output_text(body), body
+        response: dict[str, Any] = {}
+        texts: list[str] = []
+        for event in _events(pieces):
+            if event.get("type") == "response.output_text.delta":
+                texts.append(str(event.get("delta") or ""))
+            elif isinstance(event.get("response"), dict):
+                response = event["response"]  # created, then completed (or failed)
+        text = "".join(texts)
+        return text, response or {"object": "response", "output_text": text}
 
 
 def _listed(value: Any) -> list[Any]:
@@ -425,6 +482,22 @@ class TokenizeSpec(EndpointSpec):
     def generations(self, body: Mapping[str, Any]) -> int:
         return 0
 
+    # the fields a call's text is in, the first one present counted
+    carried: ClassVar[tuple[str, ...]] = ("prompt", "messages")
+
+    def check(self, body: Mapping[str, Any], settings: RouterSettings) -> None:
+        """Unbilled work is bounded: at most ``max_tokenize_bytes`` of text or ids."""
+        name = next((n for n in self.carried if body.get(n) is not None), self.carried[0])
+        value = body.get(name)
+        size = len(value.encode()) if isinstance(value, str) else len(orjson.dumps(value))
+        most = settings.max_tokenize_bytes
+        if size > most:
+            raise InvalidRequest(
+                f"Invalid value for '{name}': {size} bytes in one request; at most {most} are "
+                "accepted. Split it over several requests.",
+                param=name,
+            )
+
 
 class DetokenizeSpec(TokenizeSpec):
     """``/detokenize`` (vllm serve's): token ids to text; not billed."""
@@ -432,6 +505,7 @@ class DetokenizeSpec(TokenizeSpec):
     endpoint = Endpoint.DETOKENIZE
     operation = "detokenize"
     body_model = DetokenizeBody
+    carried = ("tokens",)
 
     def reassemble(self, streamed: bool, pieces: list[str]) -> tuple[str, dict[str, Any]]:
         _, body = super().reassemble(streamed, pieces)
@@ -444,6 +518,7 @@ SPECS: dict[Endpoint, EndpointSpec] = {
         ChatSpec(),
         CompletionsSpec(),
         MessagesSpec(),
+        ResponsesSpec(),
         EmbeddingsSpec(),
         RerankSpec(),
         ScoreSpec(),

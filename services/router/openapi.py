@@ -23,6 +23,7 @@ from services.router.protocol import (
     EmbeddingsBody,
     MessagesBody,
     RerankBody,
+    ResponsesBody,
     ScoreBody,
     TokenizeBody,
 )
@@ -233,6 +234,25 @@ class AnthropicMessage(BaseModel):
     usage: AnthropicUsage | None = None
 
 
+class ResponseUsage(AnthropicUsage):
+    total_tokens: int = Field(ge=0)
+
+
+class Response(BaseModel):
+    """A Responses API response, or (streamed) one of its events."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    object: Literal["response"] | None = None
+    type: str | None = Field(default=None, description="In a stream, the event's type.")
+    status: str | None = Field(
+        default=None, description="`completed`, or `incomplete` (see `incomplete_details`)."
+    )
+    output: list[dict[str, Any]] | None = None
+    usage: ResponseUsage | None = None
+
+
 class Tokens(BaseModel):
     """A prompt's token ids, as the model's tokenizer makes them."""
 
@@ -422,6 +442,20 @@ def router_api(auth: bool = True) -> Api:
         ),
         Operation(
             "POST",
+            "/v1/responses",
+            "createResponse",
+            "OpenAI's Responses API: a response, whole or streamed (its server-sent events).",
+            ("inference",),
+            _call_answers(Response, Response, unauthorized),
+            body=ResponsesBody,
+            description=f"{EDGE_RULES} Stateless: nothing is stored, so `previous_response_id` "
+            "and `background` are refused (400) and `store` has no effect; send the whole "
+            "conversation in `input`. Served by vLLM's Responses layer over the model's chat "
+            "template; usage rows count `input_tokens` as prompt and `output_tokens` as "
+            "completion tokens.",
+        ),
+        Operation(
+            "POST",
             "/v1/embeddings",
             "createEmbedding",
             "Vectors for one input or a batch, from an embedding model.",
@@ -467,7 +501,8 @@ def router_api(auth: bool = True) -> Api:
             body=TokenizeBody,
             description="`prompt` (a string) or `messages` (rendered with the model's chat "
             "template), not both. Any model of the catalog; a call like any other (key, model "
-            "access, requests per minute, a usage row), with no tokens billed.",
+            "access, requests per minute, a usage row), with no tokens billed, so at most "
+            "TOLLGATE_ROUTER_MAX_TOKENIZE_BYTES of text (more: 400).",
         ),
         Operation(
             "POST",

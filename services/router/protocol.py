@@ -24,6 +24,7 @@ from pydantic import (
     Field,
     StrictBool,
     StrictStr,
+    WithJsonSchema,
 )
 from pydantic_core import PydanticCustomError
 
@@ -261,6 +262,52 @@ class MessagesBody(EdgeBody):
         return "max_tokens"
 
 
+class ResponsesBody(EdgeBody):
+    """OpenAI's Responses API (``/v1/responses``), stateless: what the edge needs (the
+    model, the input, the output limit); vLLM's Responses layer checks the rest.
+
+    Tollgate keeps no responses (a call may run on any worker), so a call that
+    builds on a stored one, or asks to be run in the background and fetched
+    later, is refused here with a clear message.
+    """
+
+    input: Annotated[StrictStr, Field(min_length=1)] | Annotated[list[Any], Field(min_length=1)]
+    instructions: StrictStr | None = None
+    max_output_tokens: TokenLimit | None = None
+    # Documented as what is accepted; any other value gets problem()'s message.
+    previous_response_id: Annotated[
+        StrictStr | None,
+        WithJsonSchema({"type": "null", "description": "Not supported: responses are not stored."}),
+    ] = None
+    background: Annotated[
+        StrictBool | None,
+        WithJsonSchema({"enum": [False, None], "description": "Not supported: true is a 400."}),
+    ] = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_output_tokens
+
+    @property
+    def token_limit_param(self) -> str:
+        return "max_output_tokens"
+
+    def problem(self) -> tuple[str, str] | None:
+        if self.previous_response_id is not None:
+            return (
+                "Responses are not stored here, so 'previous_response_id' cannot be used: "
+                "send the whole conversation in 'input'.",
+                "previous_response_id",
+            )
+        if self.background:
+            return (
+                "Background responses are not supported: responses are not stored, so they "
+                "cannot be fetched later. Call without 'background', streaming if need be.",
+                "background",
+            )
+        return None
+
+
 # A text of a rerank or score call.
 ScoreText = Annotated[StrictStr, Field(min_length=1)]
 ScoreTexts = ScoreText | Annotated[list[ScoreText], Field(min_length=1)]
@@ -310,6 +357,7 @@ class DetokenizeBody(EdgeBody):
 NORMALISED = (
     "max_tokens",
     "max_completion_tokens",
+    "max_output_tokens",
     "n",
     "best_of",
     "min_tokens",

@@ -105,6 +105,13 @@ class RouterSettings(BaseSettings, HttpLimits):
     max_embedding_inputs: int = Field(
         default=2048, ge=1, description="Most inputs in one /v1/embeddings request (OpenAI's)."
     )
+    max_tokenize_bytes: int = Field(
+        default=262_144,
+        ge=1,
+        description="Most bytes of text (a prompt, or messages as JSON) or of token ids (as "
+        "JSON) one /tokenize or /detokenize call carries: those calls bill no tokens, so "
+        "they may not make the workers' tokenizers work on megabytes.",
+    )
     capture_tenants: list[str] = Field(
         default_factory=list,
         description="Tenants whose requests and responses are kept (JSON list; '*': all).",

@@ -123,7 +123,7 @@ class RefusedAtStart(Refused):
 # The endpoints each model task serves (vLLM: the generate and pooling runners).
 _TOKENIZER = frozenset({Endpoint.TOKENIZE, Endpoint.DETOKENIZE})
 _TASK_ENDPOINTS = {
-    "generate": frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS}) | _TOKENIZER,
+    "generate": frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES}) | _TOKENIZER,
     "embed": frozenset({Endpoint.EMBEDDINGS, Endpoint.RERANK, Endpoint.SCORE}) | _TOKENIZER,
 }
 
@@ -1222,6 +1222,8 @@ class SimulatedEngine:
             return await self._embed(body, request_id)
         if endpoint in (Endpoint.RERANK, Endpoint.SCORE):
             return await self._score(endpoint, body, request_id)
+        if endpoint is Endpoint.RESPONSES:
+            return await self._respond(body, request_id)
         try:
             if endpoint is Endpoint.TOKENIZE:
                 return self._tokenize(body)
@@ -1292,6 +1294,102 @@ class SimulatedEngine:
     async def _empty(self) -> AsyncIterator[StreamEvent]:
         return
         yield  # pragma: no cover
+
+    async def _respond(self, body: dict[str, Any], request_id: str) -> EngineResult:
+        """The Responses API as vLLM serves a text model: ``instructions`` and ``input``
+        rendered as a chat, the reply one message; stateless (nothing is stored)."""
+        try:
+            plan = self._chat_plan(_responses_as_chat(body))
+        except ValidationError as exc:
+            return _invalid(exc)
+        except Refused as refused:
+            return refused.result()
+        if plan.refused is not None:
+            return plan.refused.result()
+        plan.offset = self._adapters.get(body.get("model", ""), 0)
+        limit = plan.prompts[0].max_tokens
+        count = min(self.config.natural_tokens, limit)
+        cut = limit <= self.config.natural_tokens
+        tally = current_tally.get()
+        if tally is not None:
+            tally.prompt_tokens = plan.prompt_tokens
+        usage = Usage(prompt_tokens=plan.prompt_tokens, completion_tokens=count)
+        rid = request_id or uuid.uuid4().hex
+        response: dict[str, Any] = {
+            "id": f"resp_{rid}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": body.get("model", self.entry.id),
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "previous_response_id": None,
+            "background": False,
+            "store": False,
+            "tools": [],
+            "tool_choice": "none",
+            "parallel_tool_calls": True,
+            "truncation": "disabled",
+            "usage": None,
+        }
+        message = {"id": f"msg_{rid}", "type": "message", "role": "assistant"}
+        done = {
+            **response,
+            "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "usage": {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.total_tokens,
+            },
+        }
+        finish = "length" if cut else "stop"
+
+        def output(text: str, status: str) -> dict[str, Any]:
+            part = {"type": "output_text", "text": text, "annotations": []}
+            return {**message, "status": status, "content": [part]}
+
+        if not plan.stream:
+            text = ""
+            async for _, piece in self._tokens(plan, [count]):
+                text += piece
+            whole = {**done, "output": [output(text, "completed")]}
+            return FullResult(orjson.dumps(whole).decode(), usage, finish)
+
+        async def events(result: StreamResult) -> AsyncIterator[StreamEvent]:
+            numbers = itertools.count()
+
+            def event(kind: str, **fields: Any) -> StreamEvent:
+                data = {**fields, "sequence_number": next(numbers), "type": kind}
+                return StreamEvent(f"event: {kind}\ndata: {orjson.dumps(data).decode()}\n\n")
+
+            started = {**response, "status": "in_progress", "incomplete_details": None}
+            yield event("response.created", response={**started, "output": []})
+            yield event("response.in_progress", response={**started, "output": []})
+            place = {"output_index": 0, "item_id": message["id"]}
+            yield event(
+                "response.output_item.added",
+                output_index=0,
+                item={**message, "status": "in_progress", "content": []},
+            )
+            empty = {"type": "output_text", "text": "", "annotations": []}
+            yield event("response.content_part.added", content_index=0, part=empty, **place)
+            text = ""
+            async for _, piece in self._tokens(plan, [count]):
+                text += piece
+                yield event("response.output_text.delta", content_index=0, delta=piece, **place)
+            yield event("response.output_text.done", content_index=0, text=text, **place)
+            part = output(text, "completed")["content"][0]
+            yield event("response.content_part.done", content_index=0, part=part, **place)
+            item = output(text, "completed")
+            yield event("response.output_item.done", output_index=0, item=item)
+            result.usage, result.finish_reason = usage, finish
+            yield event("response.completed", response={**done, "output": [item]})
+
+        stream = StreamResult(events=self._empty())
+        stream.events = events(stream)
+        return stream
 
     # -- embeddings ---------------------------------------------------------------------
 
@@ -1594,6 +1692,34 @@ class SimulatedEngine:
         last_event = {**meta, "choices": [], "usage": _usage_json(usage)}
         yield StreamEvent(f"data: {orjson.dumps(last_event).decode()}\n\n", is_usage=True)
         yield StreamEvent("data: [DONE]\n\n")
+
+
+def _responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API body as the chat it renders: ``instructions`` as the system
+    message, ``input`` (a text, or message items) as the turns."""
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise Refused("'input' must be a text or a list of items.", "input")
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        messages.append({"role": "system", "content": instructions})
+    for item in items:
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            raise Refused("Only message items are supported by this model.", "input")
+        content = item.get("content")
+        if isinstance(content, list):  # input_text / output_text parts
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        messages.append({"role": item.get("role"), "content": content})
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    for name in ("temperature", "top_p", "stream", "priority", "seed"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    return chat
 
 
 def _usage_json(usage: Usage) -> dict[str, int]:

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -184,6 +185,31 @@ def engine_body(body: dict[str, Any], request_id: str) -> dict[str, Any]:
     return body
 
 
+# The engine priority of the /v1/messages call the current task serves.
+_anthropic_priority: ContextVar[int] = ContextVar("anthropic_priority", default=0)
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _carry_priority(anthropic: Any) -> None:
+    """Give the chat request vLLM's Anthropic layer builds the call's engine priority.
+
+    Anthropic's request has no ``priority`` and the layer builds its chat
+    request without one, so a batch call would run as interactive. The
+    priority travels in a context variable of the task serving the call.
+    """
+    build = anthropic.to_chat_completion_request
+
+    def with_priority(*args: Any, **kwargs: Any) -> Any:
+        request = build(*args, **kwargs)
+        request.priority = _anthropic_priority.get()
+        return request
+
+    anthropic.to_chat_completion_request = with_priority
+
+
 class TallyingEngineClient:
     """Pass-through to vLLM's engine client that counts tokens per request.
 
@@ -309,9 +335,18 @@ class VllmEngine:
         if anthropic is not None:
             from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
 
+            _carry_priority(anthropic)
             handlers[Endpoint.MESSAGES] = (
                 AnthropicMessagesRequest.model_validate,
                 anthropic.create_messages,
+            )
+        responses = getattr(state, "openai_serving_responses", None)
+        if responses is not None:
+            from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+            handlers[Endpoint.RESPONSES] = (
+                ResponsesRequest.model_validate,
+                responses.create_responses,
             )
         if getattr(state, "openai_serving_completion", None) is not None:
             handlers[Endpoint.COMPLETIONS] = (
@@ -425,6 +460,9 @@ class VllmEngine:
             )
             return ErrorResult(err.model_dump_json(), err.error.code)
         validate, serve = handler
+        if endpoint is Endpoint.MESSAGES:  # its request has no priority: the chat it makes does
+            body = dict(body)
+            _anthropic_priority.set(_int(body.pop("priority", 0)))
         try:
             request = validate(engine_body(body, request_id))
         except ValidationError as exc:
@@ -443,7 +481,10 @@ class VllmEngine:
             return ErrorResult(result.model_dump_json(), result.error.code)
         if hasattr(result, "__aiter__"):
             stream = StreamResult(events=_empty())
-            stream.events = _relay(result, stream)
+            if endpoint is Endpoint.RESPONSES:  # event objects, not yet SSE text
+                stream.events = _response_events(result, stream)
+            else:
+                stream.events = _relay(result, stream)
             return stream
         if hasattr(result, "body") and hasattr(result, "status_code"):
             return _whole_response(result)
@@ -453,6 +494,8 @@ class VllmEngine:
             prompt_tokens=_count(counted, "prompt_tokens", "input_tokens"),
             completion_tokens=_count(counted, "completion_tokens", "output_tokens"),
         )
+        if endpoint is Endpoint.RESPONSES:  # as vllm serve writes it
+            return FullResult(result.model_dump_json(by_alias=True), usage, _finish_of(result))
         choices = getattr(result, "choices", None)
         finish = choices[0].finish_reason if choices else getattr(result, "stop_reason", None)
         # vllm serve writes an Anthropic message without its unset fields
@@ -482,6 +525,44 @@ def _whole_response(response: Any) -> EngineResult:
             completion_tokens=usage.get("completion_tokens") or 0,
         ),
     )
+
+
+def _finish_of(response: Any) -> str | None:
+    """A Responses API response's ending, in chat's terms: stop, length, or its status."""
+    status = getattr(response, "status", None)
+    if status == "completed":
+        return "stop"
+    reason = getattr(getattr(response, "incomplete_details", None), "reason", None)
+    if reason == "max_output_tokens":
+        return "length"
+    return str(reason or status) if (reason or status) else None
+
+
+# The events that end a Responses API stream; each carries the whole response.
+_RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+async def _response_events(
+    source: AsyncGenerator[Any, None], result: StreamResult
+) -> AsyncIterator[StreamEvent]:
+    """A Responses API stream as vllm serve sends it (``event:`` and ``data:`` lines);
+    its last event's response gives the usage and the ending."""
+    try:
+        async for event in source:
+            kind = getattr(event, "type", "unknown")
+            if kind in _RESPONSE_ENDS:
+                response = event.response
+                counted = getattr(response, "usage", None)
+                if counted is not None:
+                    result.usage = Usage(
+                        prompt_tokens=_count(counted, "input_tokens"),
+                        completion_tokens=_count(counted, "output_tokens"),
+                    )
+                result.finish_reason = _finish_of(response)
+            data = event.model_dump_json(indent=None, by_alias=True)
+            yield StreamEvent(f"event: {kind}\ndata: {data}\n\n")
+    finally:
+        await source.aclose()
 
 
 async def _empty() -> AsyncIterator[StreamEvent]:

@@ -95,12 +95,19 @@ async def test_bad_tokenize_calls_are_refused(stack: Stack, router_url: str) -> 
         ("/detokenize", {}, "tokens"),
         ("/detokenize", {"tokens": "abc"}, "tokens"),
         ("/detokenize", {"tokens": [1], "stream": True}, "stream"),
+        # unbilled work is bounded (TOLLGATE_ROUTER_MAX_TOKENIZE_BYTES, 256 KiB)
+        ("/tokenize", {"prompt": "é" * 131_073}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "a" * 262_144}]}, "messages"),
+        ("/detokenize", {"tokens": [12345] * 50_000}, "tokens"),
     ]
     for path, body, param in refused:
         r = await post(router_url, key, path, {"model": SIM_MODEL, **body})
         assert r.status_code == 400, (path, body, r.text)
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    # just under the bound is served
+    r = await post(router_url, key, "/tokenize", {"model": SIM_MODEL, "prompt": "a " * 131_000})
+    assert r.status_code == 200 and r.json()["count"] > 0, r.text
     # what only the engine knows: the model's vocabulary
     r = await post(router_url, key, "/detokenize", {"model": SIM_MODEL, "tokens": [10**9]})
     assert r.status_code == 400, r.text

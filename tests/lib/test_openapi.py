@@ -351,6 +351,7 @@ REFERENCE_BODIES = {
     "RerankBody": "RerankRequest",
     "ScoreBody": "ScoreRequest",
     "MessagesBody": "MessagesRequest",
+    "ResponsesBody": "ResponsesRequest",
     "DetokenizeBody": "DetokenizeRequest",
 }
 

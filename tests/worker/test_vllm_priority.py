@@ -105,6 +105,25 @@ def chat(priority: int, max_tokens: int) -> dict[str, Any]:
     }
 
 
+def responses(priority: int, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": REAL_MODEL,
+        "input": "Name three colours.",
+        "max_output_tokens": max_tokens,
+        "temperature": 0,
+        "priority": priority,
+    }
+
+
+# The batch call of the test below, on each generating endpoint's own serving layer:
+# endpoint -> (its body, the object its answer is)
+BATCH_CALLS = {
+    Endpoint.CHAT: (chat, "chat.completion"),
+    Endpoint.MESSAGES: (chat, "message"),  # Anthropic's body: messages and max_tokens
+    Endpoint.RESPONSES: (responses, "response"),
+}
+
+
 async def until_queued(engine: VllmEngine, count: int) -> None:
     """Until the engine holds ``count`` unfinished requests (running or waiting)."""
     async with asyncio.timeout(60):
@@ -124,12 +143,15 @@ async def test_the_engine_runs_the_priority_policy(engine: VllmEngine) -> None:
     assert engine.slots_total == 1
 
 
-async def test_both_classes_are_served_and_interactive_goes_first(engine: VllmEngine) -> None:
+@pytest.mark.parametrize("batch_endpoint", list(BATCH_CALLS), ids=lambda e: e.value)
+async def test_both_classes_are_served_and_interactive_goes_first(
+    engine: VllmEngine, batch_endpoint: Endpoint
+) -> None:
     # The one slot is busy with a long stream while the other two queue.
     blocker = await engine.run(
         Endpoint.COMPLETIONS,
         completion(INTERACTIVE, 160, stream=True, ignore_eos=True),
-        "prio-blocker",
+        f"prio-blocker-{batch_endpoint.value}",
     )
     assert isinstance(blocker, StreamResult)
     events = blocker.events.__aiter__()
@@ -137,12 +159,13 @@ async def test_both_classes_are_served_and_interactive_goes_first(engine: VllmEn
     finished: list[str] = []
 
     async def call(name: str, endpoint: Endpoint, body: dict[str, Any]) -> FullResult:
-        result = served(await engine.run(endpoint, body, f"prio-{name}"))
+        result = served(await engine.run(endpoint, body, f"prio-{name}-{batch_endpoint.value}"))
         finished.append(name)
         return result
 
     # the batch request arrives first: first come, first served would run it first
-    batch = asyncio.create_task(call("batch", Endpoint.CHAT, chat(BATCH, 4)))
+    make_body, batch_object = BATCH_CALLS[batch_endpoint]
+    batch = asyncio.create_task(call("batch", batch_endpoint, make_body(BATCH, 4)))
     await until_queued(engine, 2)
     interactive = asyncio.create_task(
         call("interactive", Endpoint.COMPLETIONS, completion(INTERACTIVE, 4))
@@ -155,10 +178,10 @@ async def test_both_classes_are_served_and_interactive_goes_first(engine: VllmEn
     assert streamed[-1] == "data: [DONE]\n\n"
     assert finished == ["interactive", "batch"]
     for result, kind in (
-        (batch_result, "chat.completion"),
+        (batch_result, batch_object),
         (interactive_result, "text_completion"),
     ):
         body = orjson.loads(result.body)
-        assert body["object"] == kind
+        assert body.get("object", body.get("type")) == kind
         assert result.usage.prompt_tokens > 0
         assert result.usage.completion_tokens == 4
