@@ -45,7 +45,6 @@ import httpx
 
 from bench import procs as P
 from bench.load import RunStats, run_load
-from services.worker.vllm_engine import build_engine_argv
 from tollgate.models.cache import prepare_model
 from tollgate.models.catalog import load_catalog
 
@@ -143,24 +142,10 @@ def bench_inference(work: Path, env: dict[str, str], quick: bool) -> dict[str, A
     out: dict[str, Any] = {}
     print("inference: vllm serve (baseline) and Tollgate, both loaded", flush=True)
     with P.processes(work, env) as procs:
-        port = P.free_port()
         started = time.monotonic()
-        procs.spawn(
-            "vllm-serve",
-            [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                *build_engine_argv(entry, model_path),
-                "--port",
-                str(port),
-                "--host",
-                "127.0.0.1",
-            ],
-        )
-        P.wait_http(f"http://127.0.0.1:{port}/health")
+        vllm = P.start_vllm_serve(procs, "vllm-serve", entry, model_path)
         out["vllm_start_s"] = time.monotonic() - started
-        vllm_url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        vllm_url = f"{vllm}/v1/chat/completions"
         nats = P.start_nats(procs)
         headers = P.api_key(nats, work)
         base = P.start_router(procs, nats)

@@ -11,7 +11,6 @@ servers' vectors for the same inputs.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ import numpy as np
 
 from bench import procs as P
 from bench.load import RunStats, run_load
-from services.worker.vllm_engine import build_engine_argv
 from tollgate.models.cache import prepare_model
 from tollgate.models.catalog import load_catalog
 
@@ -72,27 +70,13 @@ def bench_embeddings(
     out: dict[str, Any] = {"model": MODEL, "batch": BATCH}
     print("embeddings: vllm serve (baseline) and Tollgate, both loaded", flush=True)
     with P.processes(work, env) as procs:
-        port = P.free_port()
-        procs.spawn(
-            "vllm-serve-embed",
-            [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                *build_engine_argv(entry, model_path),
-                "--port",
-                str(port),
-                "--host",
-                "127.0.0.1",
-            ],
-        )
-        P.wait_http(f"http://127.0.0.1:{port}/health")
+        vllm = P.start_vllm_serve(procs, "vllm-serve-embed", entry, model_path)
         nats = P.start_nats(procs)
         headers = P.api_key(nats, work)
         base = P.start_router(procs, nats)
         P.start_worker(procs, nats, MODEL)
         targets = {
-            "vllm": (f"http://127.0.0.1:{port}/v1/embeddings", None),
+            "vllm": (f"{vllm}/v1/embeddings", None),
             "tollgate": (f"{base}/v1/embeddings", headers),
         }
         for url, auth in targets.values():  # warm-up

@@ -11,14 +11,12 @@ every target; output tokens per second and time to first token compare.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from bench import procs as P
 from bench.load import RunStats, run_load
-from services.worker.vllm_engine import build_engine_argv
 from tollgate.models.cache import prepare_model
 from tollgate.models.catalog import load_catalog
 
@@ -65,26 +63,11 @@ def bench_messages(work: Path, env: dict[str, str], quick: bool, rounds: int = 2
     out: dict[str, Any] = {"model": MODEL, "max_tokens": MAX_TOKENS, "rounds": rounds}
     print("messages: vllm serve (chat and messages) and Tollgate's /v1/messages", flush=True)
     with P.processes(work, env) as procs:
-        port = P.free_port()
-        procs.spawn(
-            "vllm-serve-messages",
-            [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                *build_engine_argv(entry, model_path),
-                "--port",
-                str(port),
-                "--host",
-                "127.0.0.1",
-            ],
-        )
-        P.wait_http(f"http://127.0.0.1:{port}/health")
+        vllm = P.start_vllm_serve(procs, "vllm-serve-messages", entry, model_path)
         nats = P.start_nats(procs)
         headers = P.api_key(nats, work)
         base = P.start_router(procs, nats)
         P.start_worker(procs, nats, MODEL)
-        vllm = f"http://127.0.0.1:{port}"
         # name -> (url, headers, bodies, Anthropic stream)
         targets = {
             "vllm_chat": (f"{vllm}/v1/chat/completions", None, chat_bodies, False),

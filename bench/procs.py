@@ -15,9 +15,11 @@ from pathlib import Path
 
 import httpx
 
+from services.worker.vllm_engine import build_engine_argv
 from tests.lib.net import free_port, wait_for_port  # noqa: F401 - part of this module's API
 from tollgate.app.supervisor import nats_server_binary
 from tollgate.keys.store import bootstrap
+from tollgate.models.catalog import ModelEntry
 from tollgate.wire import bus, codec
 from tollgate.wire.contracts import WorkerHeartbeat, WorkerState
 from tollgate.wire.subjects import Subjects
@@ -73,6 +75,18 @@ def wait_http(url: str, timeout: float = 600) -> None:
                 return
         time.sleep(0.2)
     raise TimeoutError(url)
+
+
+def start_vllm_serve(procs: Procs, name: str, entry: ModelEntry, model_path: Path) -> str:
+    """``vllm serve`` for ``entry`` with the worker's own engine arguments; its base URL
+    once it answers (the baseline every comparison runs beside Tollgate)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    argv += [*build_engine_argv(entry, model_path), "--port", str(port), "--host", "127.0.0.1"]
+    procs.spawn(name, argv)
+    base = f"http://127.0.0.1:{port}"
+    wait_http(f"{base}/health")
+    return base
 
 
 def start_nats(
