@@ -203,6 +203,40 @@ async def test_replay_of_twenty_captured_requests(
     print(real)
 
 
+async def test_captured_responses_api_calls_replay_to_the_same_answers(
+    metering: Service, stack: Stack, router_url: str, tmp_path: Path
+) -> None:
+    """/v1/responses calls, whole and streamed, are captured and replayed like chat."""
+    tenant = "replay-responses"
+    key, _ = await make_key(stack, tenant=tenant, capture=True)
+    await wait_status(router_url, key, 200)
+    openai_client = client(router_url, key)
+    for i in range(4):
+        made = openai_client.responses.create(
+            model=SIM_MODEL,
+            instructions="Be brief.",
+            input=f"Write about the sea ({i}).",
+            max_output_tokens=4 + 60 * (i % 2),  # cut short, and ended by itself
+            stream=i >= 2,
+        )
+        answer = await made
+        if i >= 2:  # read the stream to its end
+            async for _ in answer:  # type: ignore[union-attr]
+                pass
+    await rows(stack, f"SELECT request_id FROM exchanges WHERE tenant = '{tenant}'", want=4)
+
+    run_replay(stack, router_url, key, f"tenant = '{tenant}'", SIM_MODEL, tmp_path / "r.md")
+    report = (tmp_path / "r.md").read_text()
+    assert "4 replayed, 4 answered, 0 skipped" in report
+    pairs = json.loads((tmp_path / "r.json").read_text())["pairs"]
+    assert len(pairs) == 4 and all(p["exact_match"] for p in pairs)
+    assert all(p["text"] for p in pairs)
+    assert {p["finish_reason"] for p in pairs} == {"length", "stop"}
+    for pair in pairs:
+        assert pair["finish_reason"] == pair["original_finish_reason"]
+        assert pair["completion_tokens"] == pair["original_completion_tokens"]
+
+
 async def test_replay_refuses_a_bad_condition(
     metering: Service, stack: Stack, router_url: str, tmp_path: Path
 ) -> None:

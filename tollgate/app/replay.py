@@ -58,7 +58,10 @@ LIMIT {limit}
 """
 
 # The endpoints replayed: those that generate text, which a replay compares.
-_PATHS = {e.value: e.path for e in (Endpoint.CHAT, Endpoint.COMPLETIONS)}
+_PATHS = {
+    e.value: e.path
+    for e in (Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES, Endpoint.MESSAGES)
+}
 REPLAY_HEADER = "X-Tollgate-Replay"
 # How long a replay key issued for one run lives at most (it is revoked at the end).
 REPLAY_KEY_TTL_S = 6 * 3600
@@ -215,13 +218,32 @@ async def _send(
 
 
 def _answer(endpoint: str, data: dict[str, Any]) -> tuple[str, str | None, int]:
+    """(generated text, ending, completion tokens) of a whole answer, in the terms its
+    capture used (the usage row's finish reason)."""
+    usage = data.get("usage") or {}
+    if endpoint == Endpoint.MESSAGES.value:  # Anthropic's: text blocks, stop_reason
+        blocks = [b for b in data.get("content") or [] if isinstance(b, dict)]
+        text = "".join(str(b.get("text") or "") for b in blocks if b.get("type") == "text")
+        return text, data.get("stop_reason"), int(usage.get("output_tokens") or 0)
+    if endpoint == Endpoint.RESPONSES.value:  # output messages' output_text parts
+        texts = [
+            str(part.get("text") or "")
+            for item in data.get("output") or []
+            if isinstance(item, dict) and item.get("type") == "message"
+            for part in item.get("content") or []
+            if isinstance(part, dict) and part.get("type") == "output_text"
+        ]
+        incomplete = (data.get("incomplete_details") or {}).get("reason")
+        finish: str | None = "length" if incomplete == "max_output_tokens" else "stop"
+        if data.get("status") not in ("completed", "incomplete"):
+            finish = data.get("status")
+        return "".join(texts), finish, int(usage.get("output_tokens") or 0)
     choice = (data.get("choices") or [{}])[0]
-    if endpoint == "chat.completions":
+    if endpoint == Endpoint.CHAT.value:
         text = (choice.get("message") or {}).get("content") or ""
     else:
         text = choice.get("text") or ""
-    tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
-    return text, choice.get("finish_reason"), tokens
+    return text, choice.get("finish_reason"), int(usage.get("completion_tokens") or 0)
 
 
 def _key_id(token: str) -> str | None:
