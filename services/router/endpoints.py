@@ -482,19 +482,19 @@ class TokenizeSpec(EndpointSpec):
     def generations(self, body: Mapping[str, Any]) -> int:
         return 0
 
-    # the fields a call's text is in, the first one present counted
+    # the field a refusal names: where a call's text is
     carried: ClassVar[tuple[str, ...]] = ("prompt", "messages")
 
     def check(self, body: Mapping[str, Any], settings: RouterSettings) -> None:
-        """Unbilled work is bounded: at most ``max_tokenize_bytes`` of text or ids."""
-        name = next((n for n in self.carried if body.get(n) is not None), self.carried[0])
-        value = body.get(name)
-        size = len(value.encode()) if isinstance(value, str) else len(orjson.dumps(value))
+        """Unbilled work is bounded: at most ``max_tokenize_bytes`` in the whole body (the
+        text, and whatever else the template renders with it, such as ``tools``)."""
+        size = len(orjson.dumps(body))
         most = settings.max_tokenize_bytes
         if size > most:
+            name = next((n for n in self.carried if body.get(n) is not None), self.carried[0])
             raise InvalidRequest(
-                f"Invalid value for '{name}': {size} bytes in one request; at most {most} are "
-                "accepted. Split it over several requests.",
+                f"Invalid value for '{name}': the request carries {size} bytes; at most {most} "
+                "are accepted. Split it over several requests.",
                 param=name,
             )
 

@@ -502,7 +502,7 @@ def router_api(auth: bool = True) -> Api:
             description="`prompt` (a string) or `messages` (rendered with the model's chat "
             "template), not both. Any model of the catalog; a call like any other (key, model "
             "access, requests per minute, a usage row), with no tokens billed, so at most "
-            "TOLLGATE_ROUTER_MAX_TOKENIZE_BYTES of text (more: 400).",
+            "TOLLGATE_ROUTER_MAX_TOKENIZE_BYTES of body (more: 400).",
         ),
         Operation(
             "POST",

@@ -108,9 +108,9 @@ class RouterSettings(BaseSettings, HttpLimits):
     max_tokenize_bytes: int = Field(
         default=262_144,
         ge=1,
-        description="Most bytes of text (a prompt, or messages as JSON) or of token ids (as "
-        "JSON) one /tokenize or /detokenize call carries: those calls bill no tokens, so "
-        "they may not make the workers' tokenizers work on megabytes.",
+        description="Most bytes of body (as JSON) one /tokenize or /detokenize call carries: "
+        "those calls bill no tokens, so they may not make the workers' tokenizers work on "
+        "megabytes.",
     )
     capture_tenants: list[str] = Field(
         default_factory=list,

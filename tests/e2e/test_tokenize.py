@@ -99,6 +99,8 @@ async def test_bad_tokenize_calls_are_refused(stack: Stack, router_url: str) -> 
         ("/tokenize", {"prompt": "é" * 131_073}, "prompt"),
         ("/tokenize", {"messages": [{"role": "user", "content": "a" * 262_144}]}, "messages"),
         ("/detokenize", {"tokens": [12345] * 50_000}, "tokens"),
+        # what the template renders beside the messages counts too
+        ("/tokenize", {"messages": CHAT, "tools": [{"x": "a" * 262_144}]}, "messages"),
     ]
     for path, body, param in refused:
         r = await post(router_url, key, path, {"model": SIM_MODEL, **body})
