@@ -6,9 +6,14 @@ keys have no budget: routers publish their events on ``…usage.<tenant>.plain``
 which this consumer does not read (``….budget`` is what it reads). A budget
 set on a key while its calls run counts from its next call; the watch of the
 keys bucket that keeps the key counts also knows which keys have none, and an
-event of such a key is acked without reading the key's record. Each spend entry remembers the
-stream sequence of the last event it counted, so a redelivered event is not
-counted twice. A key whose spend reaches its budget is marked over budget in
+event of such a key is acked without reading the key's record.
+
+Each spend entry remembers the stream sequences of the events it counted that
+the consumer may still deliver again: those above the consumer's ack floor
+(below it, every event is acked and never comes back). So a redelivered event
+is not counted twice, and events counted out of order (two auth replicas
+sharing the consumer, or a batch redelivered after later ones were counted)
+are each counted once. A key whose spend reaches its budget is marked over budget in
 its record (every router then refuses it at once); when a new period starts,
 or its budget is raised, it becomes active again. Routers already refuse a
 request whose worst case does not fit the budget; the ledger is the
@@ -124,6 +129,7 @@ class BudgetLedger:
         keeps it from being counted twice.
         """
         async with self._one_at_a_time:
+            floor = await self._ack_floor()
             for event, msg in zip(events, batch.raw_message, strict=True):
                 if event is None:
                     # Not a valid tg.usage.v1 event (the contract's checks: token
@@ -136,7 +142,7 @@ class BudgetLedger:
                     if self.metrics is not None:
                         self.metrics.invalid_events.inc()
                     continue
-                await self.count(event, msg.metadata.sequence.stream)
+                await self.count(event, msg.metadata.sequence.stream, floor)
                 await msg.ack()
                 if self.metrics is not None:
                     self.metrics.events.inc()
@@ -177,7 +183,18 @@ class BudgetLedger:
             self.metrics.key_counts.follow(kv, reconnects), name="auth-key-counts"
         )
 
-    async def count(self, event: UsageEvent, seq: int) -> None:
+    async def _ack_floor(self) -> int:
+        """The consumer's ack floor: every event at or below it is acked for good."""
+        consumer = self.topology.auth_budget
+        info = await self.js.consumer_info(consumer.stream, consumer.durable)
+        return int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0
+
+    async def count(self, event: UsageEvent, seq: int, floor: int = 0) -> None:
+        """Add ``event`` (stream sequence ``seq``) to its key's spend, once.
+
+        ``floor`` is an ack floor of the consumer read before the event was
+        delivered: sequences at or below it need not be remembered any more.
+        """
         if event.key_id is None:
             return
         if self.metrics is not None and event.key_id in self.metrics.key_counts.unbudgeted:
@@ -190,23 +207,36 @@ class BudgetLedger:
             return
         tokens = event.prompt_tokens + event.completion_tokens
         window = budget_window(record.budget_period, event.time)
-        total = await self._add(f"{record.key_id}.{window}", tokens, seq)
+        total = await self._add(f"{record.key_id}.{window}", tokens, seq, floor)
         current = budget_window(record.budget_period, time.time())
         if total is not None and window == current and total >= record.budget_tokens:
             await self._set_state(record, KeyState.OVER_BUDGET, "over_budget")
 
-    async def _add(self, key: str, tokens: int, seq: int) -> int | None:
-        """Add once per stream sequence; the new total, or None if already counted."""
+    async def _add(self, key: str, tokens: int, seq: int, floor: int) -> int | None:
+        """Add once per stream sequence; the new total, or None if already counted.
+
+        The entry keeps ``seqs``, the sequences it counted above ``floor``
+        (the highest ack floor it has seen); anything at or below ``floor`` was
+        acked, so it is either counted or not this key's.
+        """
         while True:
             try:
                 entry = await self.spend.get(key)
                 state = orjson.loads(entry.value or b"{}")
                 revision = entry.revision
             except KeyNotFoundError:
-                state, revision = {"tokens": 0, "last_seq": 0}, 0
-            if seq <= state.get("last_seq", 0):
+                state, revision = {}, 0
+            # An entry written before ``seqs`` existed counted in order up to ``last_seq``.
+            known_floor = int(state.get("floor", state.get("last_seq", 0)))
+            counted = [int(s) for s in state.get("seqs", [])]
+            if seq <= known_floor or seq in counted:
                 return None
-            new = {"tokens": state.get("tokens", 0) + tokens, "last_seq": seq}
+            new_floor = max(known_floor, floor)
+            new = {
+                "tokens": int(state.get("tokens", 0)) + tokens,
+                "floor": new_floor,
+                "seqs": sorted([s for s in counted if s > new_floor] + [seq]),
+            }
             try:
                 if revision:
                     await self.spend.update(key, orjson.dumps(new), last=revision)

@@ -104,6 +104,16 @@ class FakeKeys:
         return self.records[key_id]
 
 
+class FakeJetStream:
+    """The one JetStream call the ledger makes besides the buckets: its consumer's ack floor."""
+
+    def __init__(self) -> None:
+        self.ack_floor = 0
+
+    async def consumer_info(self, stream: str, durable: str) -> Any:
+        return SimpleNamespace(ack_floor=SimpleNamespace(stream_seq=self.ack_floor))
+
+
 def ack_subject(seq: int, topology: Topology) -> str:
     """The reply subject of a JetStream delivery of stream sequence ``seq``."""
     consumer = topology.auth_budget
@@ -118,9 +128,40 @@ def in_memory() -> tuple[BudgetLedger, FakeKeys, FakeSpend, Topology]:
         KeyRecord(key_id="k2", tenant="acme"),
     )
     spend = FakeSpend()
-    ledger = BudgetLedger(None, cast(KeyStore, keys), topology, 3600, AuthMetrics())
+    ledger = BudgetLedger(FakeJetStream(), cast(KeyStore, keys), topology, 3600, AuthMetrics())
     ledger.spend = spend
     return ledger, keys, spend, topology
+
+
+async def test_events_counted_out_of_order_are_each_counted_once(
+    in_memory: tuple[BudgetLedger, FakeKeys, FakeSpend, Topology],
+) -> None:
+    """Two replicas sharing the consumer, or a redelivered batch, count out of stream order."""
+    ledger, _, spend, _ = in_memory
+    key = f"k1.{budget_window('day', time.time())}"
+    for seq, tokens in [(5, 1), (3, 2), (9, 4), (4, 8)]:
+        await ledger.count(usage("k1", tokens, 0), seq, floor=2)
+    assert spend.tokens(key) == 1 + 2 + 4 + 8
+    for seq in (3, 4, 5, 9, 1, 2):  # redelivered, or acked before the floor was read
+        await ledger.count(usage("k1", 100, 0), seq, floor=2)
+    assert spend.tokens(key) == 15
+    # Once the ack floor passes them, the sequences need not be kept.
+    await ledger.count(usage("k1", 16, 0), 12, floor=5)
+    state = orjson.loads(spend.entries[key][0])
+    assert state["floor"] == 5 and state["seqs"] == [9, 12] and state["tokens"] == 31
+    await ledger.count(usage("k1", 100, 0), 4, floor=5)
+    assert spend.tokens(key) == 31
+
+
+async def test_a_spend_entry_of_the_in_order_format_goes_on_from_its_last_sequence(
+    in_memory: tuple[BudgetLedger, FakeKeys, FakeSpend, Topology],
+) -> None:
+    ledger, _, spend, _ = in_memory
+    key = f"k1.{budget_window('day', time.time())}"
+    await spend.create(key, orjson.dumps({"tokens": 40, "last_seq": 7}))
+    await ledger.count(usage("k1", 100, 0), 7)  # counted before, in order
+    await ledger.count(usage("k1", 2, 0), 8)
+    assert spend.tokens(key) == 42
 
 
 async def test_each_stream_sequence_is_counted_once_in_memory(
@@ -270,10 +311,10 @@ async def test_the_ledger_counts_acks_and_stops_cleanly_on_nats(nats_server: Nat
         gate, began = asyncio.Event(), asyncio.Event()
         count = ledger.count
 
-        async def held(event: UsageEvent, seq: int) -> None:
+        async def held(event: UsageEvent, seq: int, floor: int = 0) -> None:
             began.set()
             await gate.wait()
-            await count(event, seq)
+            await count(event, seq, floor)
 
         ledger.count = held  # type: ignore[method-assign]
         await publish(*(codec.encode(usage("k1", 1, 0)) for _ in range(3)))
@@ -420,4 +461,50 @@ async def test_the_ledger_reads_only_budget_keys_events_and_updates_an_older_con
         await broker.stop()
         assert await spend_of(ledger.spend, key) == 15
     finally:
+        await bus.close(nc)
+
+
+async def test_two_ledgers_sharing_the_consumer_count_every_event_once(
+    nats_server: NatsServer,
+) -> None:
+    """Two auth replicas (or an old and a new one in a rolling update) on one durable consumer."""
+    topology = Topology(Subjects(f"ledger{uuid.uuid4().hex[:6]}"))
+    nc = await nats_server.connect(name="test-ledger-pair")
+    js = nc.jetstream()
+    brokers: list[ControlBroker] = []
+    try:
+        await topology.ensure(js, Role.AUTH)
+        store = await KeyStore(js, topology, actor="test").open()
+        record = KeyRecord(key_id="k1", tenant="acme", budget_tokens=10**9, budget_period="day")
+        await store.keys.put(record.key_id, record.model_dump_json().encode())
+        key = f"k1.{budget_window('day', time.time())}"
+        ledgers = [BudgetLedger(js, store, topology, 3600) for _ in range(2)]
+        for ledger in ledgers:
+            await ledger.open()
+            broker = ControlBroker(nc, name="test-auth", graceful_timeout=10)
+            ledger.subscribe(broker)
+            await broker.start()
+            brokers.append(broker)
+        subject = topology.subjects.usage("acme", budget=True)
+        expected = 0
+        for burst in range(20):  # bursts, so both replicas pull batches meanwhile
+            for i in range(10):
+                tokens = burst * 10 + i + 1
+                expected += tokens
+                await js.publish(
+                    subject,
+                    codec.encode(usage("k1", tokens, 0)),
+                    headers={"Nats-Msg-Id": uuid.uuid4().hex},
+                )
+            await asyncio.sleep(0.05)
+
+        async def counted() -> bool:
+            info = await js.consumer_info(topology.usage.name, topology.auth_budget.durable)
+            return (info.num_pending, info.num_ack_pending) == (0, 0)
+
+        await wait_for(counted, "the ledgers did not count every event", timeout=60)
+        assert await spend_of(ledgers[0].spend, key) == expected
+    finally:
+        for broker in brokers:
+            await broker.stop()
         await bus.close(nc)
