@@ -29,6 +29,7 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,11 @@ BUDGET_TOKENS = 4000
 RATE_RPM = 40
 MAX_TOKENS = 40
 CONCURRENCY = 8
+# A call its router lost (killed with it) is billed once the worker's final
+# report turns up, or with zero tokens once its deadline and the router's grace
+# of 30 s have passed. The soak's calls take seconds, so a short deadline lets
+# the run see those rows before it stops.
+REQUEST_TIMEOUT_S = 60
 SAMPLE_EVERY_S = 10.0
 FAULT_GRACE_S = 8.0  # after a fault has recovered, errors are still put down to it
 REVOKE_GRACE_S = 2.0  # a revocation reaches every router within this
@@ -195,6 +201,7 @@ class Soak:
                 "TOLLGATE_METERING_FAULT_FILE": str(self.fault_file),
                 "TOLLGATE_METERING_BATCH_MAX_WAIT_S": "0.3",
                 "TOLLGATE_ROUTER_QUEUE_TIMEOUT_S": "20",
+                "TOLLGATE_ROUTER_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S),
                 "TOLLGATE_SCALER_DRAIN_TIMEOUT_S": "30",
                 "HF_HUB_OFFLINE": "1",
             }
@@ -583,6 +590,7 @@ class Soak:
                     result = await run_query(nc, subjects, "SELECT count() FROM usage_events")
                     count = int(result.rows[0][0])
                     idle = (info.num_pending, info.num_ack_pending) == (0, 0)
+                    idle = idle and self.outboxes_empty()
                     stable = stable + 1 if idle and count == last else 0
                     last = count
                     if stable >= 8:  # 4 s with nothing pending and nothing new
@@ -615,6 +623,23 @@ class Soak:
                     return rows
         finally:
             await nc.close()
+
+    def outboxes_empty(self) -> bool:
+        """No router's outbox holds an unpublished event or a call still open.
+
+        A call open there after the load stopped is one a router was killed
+        in: its row comes once the router's next run bills it.
+        """
+        for path in (self.var / "outbox").glob("*.db"):
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+            try:
+                events = db.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+                opened = db.execute("SELECT COUNT(*) FROM open_calls").fetchone()[0]
+            finally:
+                db.close()
+            if events or opened:
+                return False
+        return True
 
     def stop_stack(self) -> None:
         if self.up is None or self.up.poll() is not None:
