@@ -83,7 +83,7 @@ CONCURRENCY = 8
 # report turns up, or with zero tokens once its deadline and the router's grace
 # of 30 s have passed. The soak's calls take seconds, so a short deadline lets
 # the run see those rows before it stops.
-REQUEST_TIMEOUT_S = 60
+REQUEST_TIMEOUT_S = 40
 SAMPLE_EVERY_S = 10.0
 FAULT_GRACE_S = 8.0  # after a fault has recovered, errors are still put down to it
 REVOKE_GRACE_S = 2.0  # a revocation reaches every router within this
