@@ -128,6 +128,24 @@ def test_up_serves_refuses_a_second_instance_and_stops_cleanly(
         assert [(row["model"], row["requests"], row["completion_tokens"]) for row in rows] == [
             (SIM_MODEL, 1, 3)
         ]
+        month = time.strftime("%Y-%m", time.gmtime())
+        invoice = subprocess.run(
+            [
+                *(sys.executable, "-m", "tollgate.app.cli", "invoice"),
+                *("--tenant", "demo", "--month", month, "--check"),
+            ],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert invoice.returncode == 0, invoice.stderr
+        assert "agree" in invoice.stderr
+        body = json.loads(invoice.stdout)
+        assert body["tenant"] == "demo" and body["period"] == month and body["requests"] == 1
+        billed = [line for line in body["lines"] if line["kind"] == "completion"]
+        unbilled = sum(u["completion_tokens"] for u in body["unpriced"])
+        assert sum(line["quantity"] for line in billed) + unbilled == 3, body
 
         # The scaler runs the workers: the warm model has one, the others none yet.
         status = subprocess.run(

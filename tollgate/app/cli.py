@@ -23,6 +23,7 @@ from tollgate.runtime.settings import CommonSettings, SettingError
 from tollgate.wire.topology import Role
 
 if TYPE_CHECKING:
+    from tollgate.invoices import Invoice
     from tollgate.keys.records import KeyRecord
 
 # How long a command waits for NATS before it gives up (a service waits for ever).
@@ -331,6 +332,64 @@ def _usage(ns: argparse.Namespace) -> int:
     return asyncio.run(_query_async(ns, report_sql(ns.by), parameters))
 
 
+def _invoice(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import orjson
+
+    computed = asyncio.run(_invoice_async(ns))
+    if isinstance(computed, int):
+        return computed
+    invoice, differences = computed
+    if ns.format == "csv":
+        text = invoice.to_csv()
+    else:
+        text = orjson.dumps(invoice.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n"
+    if ns.out:
+        Path(ns.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    if invoice.unpriced:
+        models = ", ".join(u.model for u in invoice.unpriced)
+        print(f"warning: usage no price covers is not billed: {models}", file=sys.stderr)
+    if not ns.check:
+        return 0
+    for difference in differences:
+        print(f"difference: {difference}", file=sys.stderr)
+    if differences:
+        return 1
+    print("checked: the raw rows, the rollup and usage_cost agree", file=sys.stderr)
+    return 0
+
+
+async def _invoice_async(ns: argparse.Namespace) -> tuple[Invoice, list[str]] | int:
+    """The invoice and, with ``--check``, its differences; or the exit code of a failure."""
+    from tollgate.analytics import MeteringUnavailable, run_query
+    from tollgate.invoices import InvoiceError, check, compute
+    from tollgate.wire import bus
+    from tollgate.wire.contracts import QueryResult
+
+    common = CommonSettings()
+    nc = await connect(common, "tollgate-cli")
+
+    async def query(sql: str, parameters: dict[str, Any]) -> QueryResult:
+        return await run_query(nc, common.subjects, sql, parameters, max_rows=100_000)
+
+    try:
+        if ns.check:
+            report = await check(query, ns.tenant, ns.month)
+            return report.invoice, report.differences
+        return await compute(query, ns.tenant, ns.month), []
+    except MeteringUnavailable as exc:
+        print(f"error: {exc} (start it with `tollgate up` or `tollgate metering`)", file=sys.stderr)
+        return 1
+    except InvoiceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await bus.close(nc)
+
+
 def _sql(ns: argparse.Namespace) -> int:
     return asyncio.run(_query_async(ns, ns.statement, {}))
 
@@ -425,6 +484,15 @@ def _day(text: str) -> date:
         return date.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a date like 2026-11-01: {text!r}") from None
+
+
+def _month(text: str) -> Any:
+    from tollgate.invoices import Period
+
+    try:
+        return Period.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -586,6 +654,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-rows", type=int, default=10_000, help="at most this many rows")
     report.set_defaults(func=_usage)
     sql.set_defaults(func=_sql)
+    inv = command(sub, "invoice", "a tenant's monthly invoice, from the usage rows")
+    inv.add_argument("--tenant", required=True, help="the tenant to invoice")
+    inv.add_argument("--month", required=True, type=_month, help="the month, e.g. 2026-11 (UTC)")
+    inv.add_argument("--format", choices=["json", "csv"], default="json", help="output format")
+    inv.add_argument("--out", help="write the invoice to this file (default: standard output)")
+    inv.add_argument(
+        "--check",
+        action="store_true",
+        help="recompute it from the rollup and usage_cost too; exit 1 on any difference",
+    )
+    inv.set_defaults(func=_invoice)
     rp = command(sub, "replay", "send captured requests to a model again and compare")
     rp.add_argument("--where", required=True, help="SQL condition on the exchanges table")
     rp.add_argument("--model", required=True, help="model to send them to")
