@@ -232,8 +232,9 @@ class BudgetLedger:
             if seq <= known_floor or seq in counted:
                 return None
             new_floor = max(known_floor, floor)
+            total = int(state.get("tokens", 0)) + tokens
             new = {
-                "tokens": int(state.get("tokens", 0)) + tokens,
+                "tokens": total,
                 "floor": new_floor,
                 "seqs": sorted([s for s in counted if s > new_floor] + [seq]),
             }
@@ -242,7 +243,7 @@ class BudgetLedger:
                     await self.spend.update(key, orjson.dumps(new), last=revision)
                 else:
                     await self.spend.create(key, orjson.dumps(new))
-                return int(new["tokens"])
+                return total
             except KeyWrongLastSequenceError:
                 continue
 
