@@ -59,7 +59,9 @@ class _Node:
 def _nodes(dump: str) -> list[_Node]:
     """EXPLAIN's tree, one node a line, its depth given by the indentation."""
     found = []
-    for line in dump.splitlines():
+    # Lines end at "\n" only: a literal may hold a vertical tab, a form feed or a
+    # Unicode line separator, which str.splitlines would take for line ends.
+    for line in dump.split("\n"):
         if not line.strip():
             continue
         depth = len(line) - len(line.lstrip(" "))

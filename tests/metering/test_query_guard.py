@@ -85,6 +85,16 @@ def test_selects_on_tollgates_tables_still_run(store: UsageStore) -> None:
         assert result.rows, sql
 
 
+def test_a_parameter_with_any_line_break_is_vetted_as_one_value(store: UsageStore) -> None:
+    """EXPLAIN's tree has a node a line; a literal's vertical tab, form feed or Unicode
+    line separator is no line end (str.splitlines would take it for one)."""
+    sql = "SELECT count() FROM usage_events WHERE tenant = {tenant:String}"
+    for odd in ("\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029", "\r", "\n"):
+        result = store.query(sql, {"tenant": f"a{odd}b"}, 10)
+        assert result.error is None, (repr(odd), result.error)
+        assert result.rows == [[0]]
+
+
 def test_the_reader_is_read_only_in_clickhouse_itself(store: UsageStore) -> None:
     """Behind the vetting, the connection still refuses writes and settings changes."""
     reader = store._reader
