@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,7 @@ from tollgate.wire.contracts import QueryResult
 Query = Callable[[str, dict[str, Any]], Awaitable[QueryResult]]
 Source = Literal["raw", "rollup"]
 
+_MONTH = re.compile(r"([1-9][0-9]{3})-(0[1-9]|1[0-2])")
 MILLION = Decimal(1_000_000)
 CENT = Decimal("0.01")
 # Enough digits for any amount: quantities up to 2^64, prices with 6 decimals.
@@ -85,11 +87,10 @@ class Period:
 
     @classmethod
     def parse(cls, text: str) -> Period:
-        try:
-            start = datetime.strptime(text, "%Y-%m")
-        except ValueError:
-            raise ValueError(f"{text!r} is not a month (YYYY-MM)") from None
-        return cls(start.year, start.month)
+        found = _MONTH.fullmatch(text)
+        if found is None:
+            raise ValueError(f"{text[:20]!r} is not a month (YYYY-MM)")
+        return cls(int(found[1]), int(found[2]))
 
     @property
     def start(self) -> datetime:

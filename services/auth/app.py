@@ -22,6 +22,8 @@ from services.auth.metrics import AuthMetrics
 from services.auth.openapi import admin_api
 from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
 from services.auth.settings import AuthSettings, load_admin_token
+from tollgate.analytics import MeteringUnavailable, run_query
+from tollgate.invoices import InvoiceError, Period, check
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import SigningKeySet, auth_dir
 from tollgate.runtime.httpserver import BodyTimeout
@@ -30,6 +32,7 @@ from tollgate.runtime.openapi import add_openapi_route, build_document
 from tollgate.runtime.ops import add_ops_routes
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus
+from tollgate.wire.contracts import QueryResult
 from tollgate.wire.control import ControlBroker
 from tollgate.wire.errors import error_json
 from tollgate.wire.topology import Role
@@ -41,6 +44,9 @@ LEDGER = web.AppKey("ledger", BudgetLedger)
 ADMIN_TOKEN = web.AppKey("admin_token", str)
 METRICS = web.AppKey("metrics", AuthMetrics)
 BUS = web.AppKey("bus", NATS)
+COMMON = web.AppKey("common", CommonSettings)
+# How long an invoice's queries may take, each, before the admin API answers 503.
+INVOICE_QUERY_TIMEOUT_S = 30.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -201,6 +207,34 @@ async def retire_signing_key(request: web.Request) -> web.Response:
     return _json(key.model_dump(mode="json"))
 
 
+async def show_invoice(request: web.Request) -> web.Response:
+    """A tenant's invoice for a month, checked against the rollup (the metering service's data)."""
+    tenant = request.match_info["tenant"]
+    if not 1 <= len(tenant) <= 200:
+        raise ValueError("A tenant name has 1 to 200 characters.")
+    period = Period.parse(request.match_info["month"])
+    nc = request.app[BUS]
+    subjects = request.app[COMMON].subjects
+
+    async def query(sql: str, parameters: dict[str, Any]) -> QueryResult:
+        return await run_query(
+            nc, subjects, sql, parameters, max_rows=100_000, timeout=INVOICE_QUERY_TIMEOUT_S
+        )
+
+    try:
+        report = await check(query, tenant, period)
+    except MeteringUnavailable as exc:
+        return _error(
+            503, f"Invoices come from the metering service: {exc}.", "metering_unavailable"
+        )
+    except InvoiceError as exc:
+        log.error("invoice failed", extra={"tenant": tenant, "error": str(exc)})
+        return _error(503, "The metering service could not compute the invoice.", "metering_error")
+    body = report.invoice.to_json()
+    body["check"] = {"ok": report.ok, "differences": report.differences}
+    return _json(body)
+
+
 def create_app(settings: AuthSettings, common: CommonSettings) -> web.Application:
     """The auth app; a missing, short or placeholder admin token is a :class:`SettingError`."""
     folder = auth_dir(common.var_dir)
@@ -208,6 +242,7 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
     app = web.Application(middlewares=[guard])
     app[ADMIN_TOKEN] = token
     app[METRICS] = AuthMetrics()
+    app[COMMON] = common
 
     async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
         nc = await common.connect(Role.AUTH, "auth")
@@ -252,6 +287,7 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
     app.router.add_delete("/admin/keys/{key_id}", revoke_key)
     app.router.add_post("/admin/signing-keys/rotate", rotate_signing_key)
     app.router.add_post("/admin/signing-keys/{kid}/retire", retire_signing_key)
+    app.router.add_get("/admin/invoices/{tenant}/{month}", show_invoice)
     add_ops_routes(
         app,
         app[METRICS].registry,

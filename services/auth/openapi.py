@@ -12,7 +12,9 @@ this deployment, and a client needs it before it has a token to send.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
 from tollgate.keys.records import KeyRecord, SigningKey
@@ -38,6 +40,49 @@ class KeyList(BaseModel):
     data: list[KeyRecord] = Field(description="Every key's record, oldest first.")
 
 
+class InvoiceLine(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="The billed model (an adapter's own id for its calls).")
+    kind: Literal["prompt", "completion"]
+    price_from: str = Field(description="The first day of the price of this line (ISO date).")
+    quantity: int = Field(ge=0, description="Tokens.")
+    unit_price: str = Field(description="Price per million tokens, a decimal string.")
+    currency: str
+    amount: str = Field(description="`quantity * unit_price / 1000000`, exact, a decimal string.")
+
+
+class UnpricedUsage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    requests: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+
+
+class InvoiceCheck(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ok: bool = Field(description="The raw rows, the hourly rollup and `usage_cost` agree.")
+    differences: list[str] = Field(description="Each difference found, named by its line.")
+
+
+class Invoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    object: Literal["invoice"]
+    tenant: str
+    period: str = Field(description="The month, `YYYY-MM` (UTC).")
+    source: Literal["raw"] = Field(description="Computed from the deduplicated raw rows.")
+    requests: int = Field(ge=0, description="Requests in the month, priced or not.")
+    lines: list[InvoiceLine] = Field(description="Per model, token kind and price period.")
+    totals: dict[str, str] = Field(description="The exact sum of the amounts, per currency.")
+    due: dict[str, str] = Field(description="Each total rounded to cents, half up.")
+    unpriced: list[UnpricedUsage] = Field(description="Usage no price covers: not billed.")
+    check: InvoiceCheck
+
+
 def _error(description: str, **headers: Header) -> Answer:
     return Answer(description, Error, headers=headers)
 
@@ -57,6 +102,16 @@ KEY_ID = PathParameter(
     {"type": "string", "minLength": 1, "maxLength": 128},
 )
 KID = PathParameter("kid", "The signing key's id (in every token's header).")
+TENANT = PathParameter(
+    "tenant",
+    "The tenant (as its keys name it).",
+    {"type": "string", "minLength": 1, "maxLength": 200},
+)
+MONTH = PathParameter(
+    "month",
+    "The month, `YYYY-MM` (UTC).",
+    {"type": "string", "pattern": "^[1-9][0-9]{3}-(0[1-9]|1[0-2])$"},
+)
 
 
 def admin_api() -> Api:
@@ -150,6 +205,23 @@ def admin_api() -> Api:
             },
             parameters=(KID,),
         ),
+        Operation(
+            "GET",
+            "/admin/invoices/{tenant}/{month}",
+            "showInvoice",
+            "A tenant's invoice for a month, in exact decimals, checked against the rollups.",
+            ("billing",),
+            {
+                200: Answer("The invoice and its check (`tollgate invoice --check`).", Invoice),
+                400: _error("The month is not `YYYY-MM` (`invalid_request`)."),
+                401: UNAUTHORIZED,
+                503: _error(
+                    "The metering service did not answer, or could not compute it "
+                    "(`metering_unavailable`, `metering_error`)."
+                ),
+            },
+            parameters=(TENANT, MONTH),
+        ),
         *ops_operations(
             "Readiness; 503 until connected to NATS.",
             "Prometheus metrics (keys by state, budget ledger; docs/metrics.md).",
@@ -157,7 +229,7 @@ def admin_api() -> Api:
     ]
     return Api(
         title="Tollgate admin API",
-        summary="API keys and signing keys, on the auth service.",
+        summary="API keys, signing keys and invoices, on the auth service.",
         description="Issue, list, change and revoke API keys, and rotate the keys that sign "
         "them (the `tollgate keys` commands). Every call under `/admin/` needs the admin "
         "token, exactly as `Authorization: Bearer <token>`. Errors are OpenAI-shaped: "
@@ -171,5 +243,5 @@ def admin_api() -> Api:
             }
         },
         operations=operations,
-        tags=("keys", "signing-keys", "operations"),
+        tags=("keys", "signing-keys", "billing", "operations"),
     )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -46,7 +47,7 @@ from schemathesis.core.transport import Response
 from schemathesis.generation.modes import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from tests.conftest import EMBED_MODEL, SIM_MODEL
+from tests.conftest import EMBED_MODEL, SIM_MODEL, Stack
 from tests.fuzz.conftest import SEED_ENV, Fuzz
 from tests.fuzz.oracle import LEAK_MARKERS
 
@@ -358,6 +359,15 @@ async def test_router(fuzz: Fuzz) -> None:
     await fuzz_with(fuzz, router_run(fuzz), EXAMPLES)
 
 
+@pytest.fixture(scope="module")
+def metering(stack: Stack) -> Iterator[None]:
+    """The metering service the admin API's invoices come from (stopped with the module)."""
+    service, _ = stack.metering()
+    yield
+    service.stop()
+
+
+@pytest.mark.usefixtures("metering")
 async def test_admin_api(fuzz: Fuzz) -> None:
     await fuzz_with(fuzz, admin_run(fuzz), EXAMPLES)
 
@@ -368,6 +378,7 @@ async def test_router_soak(fuzz: Fuzz) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("metering")
 async def test_admin_api_soak(fuzz: Fuzz) -> None:
     await fuzz_with(fuzz, admin_run(fuzz), SOAK_EXAMPLES)
 

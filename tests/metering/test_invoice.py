@@ -154,6 +154,6 @@ async def test_a_month_without_usage_has_no_lines(billed: UsageStore) -> None:
 
 def test_a_month_is_parsed_strictly() -> None:
     assert Period.parse("2026-12").end == datetime(2027, 1, 1, tzinfo=UTC)
-    for bad in ("2026-13", "11-2026", "2026-11-01", ""):
+    for bad in ("2026-13", "11-2026", "2026-11-01", "", "2026-1", "0999-01", "\uff12026-11"):
         with pytest.raises(ValueError, match="YYYY-MM"):
             Period.parse(bad)

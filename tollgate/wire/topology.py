@@ -428,9 +428,10 @@ class Topology:
                 _roles(R.WORKER),
             ),
             SubjectSpec(
-                "read-only ClickHouse queries",
+                "read-only ClickHouse queries (the scaler's demand history, the admin "
+                "API's invoices, the operator's CLI)",
                 s.metering_query,
-                _roles(R.SCALER, R.ADMIN),
+                _roles(R.SCALER, R.AUTH, R.ADMIN),
                 _roles(R.METERING),
                 request_reply=True,
                 contract=c.QueryRequest,
