@@ -10,6 +10,8 @@ Prices come from the ``prices`` table as ``usage_cost`` applies them: each
 hour of usage is priced by the model's latest price whose ``valid_from`` is at
 or before the hour's start (and whose ``valid_to``, when set, is after it).
 Usage no price covers is listed apart (``unpriced``), never billed at zero.
+Usage is read summed per hour, or per day when every price starts and ends at
+midnight (the catalog's do), so an invoice reads a few rows per model.
 
 :func:`compute` reads the deduplicated raw rows (``usage_events FINAL``); the
 same computation over the hourly rollup is :func:`compute` with
@@ -44,7 +46,7 @@ EXACT = Context(prec=60)
 
 _USAGE_SQL: dict[Source, str] = {
     "raw": (
-        "SELECT model, toUnixTimestamp(toStartOfHour(time)) AS hour, count() AS requests,"
+        "SELECT model, toUnixTimestamp({bucket}(time)) AS hour, count() AS requests,"
         " sum(prompt_tokens) AS prompt_tokens, sum(completion_tokens) AS completion_tokens"
         " FROM usage_events FINAL"
         " WHERE tenant = {tenant:String}"
@@ -52,7 +54,7 @@ _USAGE_SQL: dict[Source, str] = {
         " GROUP BY model, hour ORDER BY model, hour"
     ),
     "rollup": (
-        "SELECT model, toUnixTimestamp(hour) AS hour, sum(requests) AS requests,"
+        "SELECT model, toUnixTimestamp({bucket}(hour)) AS hour, sum(requests) AS requests,"
         " sum(prompt_tokens) AS prompt_tokens, sum(completion_tokens) AS completion_tokens"
         " FROM usage_hourly"
         " WHERE tenant = {tenant:String}"
@@ -248,8 +250,16 @@ def _price_at(prices: list[Price], hour: int) -> Price | None:
 async def compute(query: Query, tenant: str, period: Period, source: Source = "raw") -> Invoice:
     """``tenant``'s invoice for ``period`` from the raw rows or the hourly rollup."""
     parameters = _parameters(tenant, period)
-    usage = await _rows(query, _USAGE_SQL[source], parameters)
     prices = await _prices(query)
+    # Usage is summed per hour, the unit prices apply to; per day when every price
+    # starts and ends at midnight (as the catalog's do), which prices the same.
+    daily = all(
+        p.valid_from % 86400 == 0 and (p.valid_to is None or p.valid_to % 86400 == 0)
+        for model_prices in prices.values()
+        for p in model_prices
+    )
+    bucket = "toStartOfDay" if daily else "toStartOfHour"
+    usage = await _rows(query, _USAGE_SQL[source].replace("{bucket}", bucket), parameters)
     tokens: dict[tuple[str, str, int], int] = defaultdict(int)  # (model, kind, price) -> tokens
     period_of: dict[tuple[str, int], Price] = {}
     unpriced: dict[str, list[int]] = {}

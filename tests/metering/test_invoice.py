@@ -157,3 +157,27 @@ def test_a_month_is_parsed_strictly() -> None:
     for bad in ("2026-13", "11-2026", "2026-11-01", "", "2026-1", "0999-01", "\uff12026-11"):
         with pytest.raises(ValueError, match="YYYY-MM"):
             Period.parse(bad)
+
+
+async def test_a_price_from_mid_day_prices_each_hour_from_its_start(billed: UsageStore) -> None:
+    """Prices that start at midnight allow sums per day; one that starts at 05:00 does not."""
+    billed.writer.insert(
+        "prices",
+        [["m/b", datetime(2026, 11, 20, 5, tzinfo=UTC), None, "2.2", "8.8", "USD"]],
+        column_names=[
+            "model",
+            "valid_from",
+            "valid_to",
+            "prompt_per_million",
+            "completion_per_million",
+            "currency",
+        ],
+    )
+    report = await check(querying(billed), TENANT, NOVEMBER)
+    assert report.ok, report.differences
+    m_b = [line for line in report.invoice.lines if line.model == "m/b"]
+    # the call at 05:30 falls in the hour from 05:00: the new price
+    assert [(line.kind, line.price_from, line.amount) for line in m_b] == [
+        ("completion", "2026-11-20", Decimal("0.0000088")),
+        ("prompt", "2026-11-20", Decimal("2.1999978")),
+    ]
