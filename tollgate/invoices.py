@@ -16,8 +16,9 @@ midnight (the catalog's do), so an invoice reads a few rows per model.
 :func:`compute` reads the deduplicated raw rows (``usage_events FINAL``); the
 same computation over the hourly rollup is :func:`compute` with
 ``source="rollup"``. :func:`check` runs both and compares them line by line,
-and compares the rollup's priced total with the ``usage_cost`` view's: a
-damaged rollup, a lost or doubled row shows as a difference.
+compares each model's requests and tokens with the daily rollup's, and the
+hourly rollup's priced total with the ``usage_cost`` view's: a damaged
+rollup, a lost or doubled row shows as a difference.
 """
 
 from __future__ import annotations
@@ -68,6 +69,23 @@ _PRICES_SQL = (
     " toString(prompt_per_million) AS prompt, toString(completion_per_million) AS completion,"
     " currency FROM prices FINAL ORDER BY model, valid_from"
 )
+# Per-model totals, from the raw rows and from the daily rollup, for the check.
+_TOTALS_SQL = {
+    "raw": (
+        "SELECT model, count() AS requests, sum(prompt_tokens) AS prompt_tokens,"
+        " sum(completion_tokens) AS completion_tokens FROM usage_events FINAL"
+        " WHERE tenant = {tenant:String}"
+        " AND time >= {start:DateTime('UTC')} AND time < {end:DateTime('UTC')}"
+        " GROUP BY model ORDER BY model"
+    ),
+    "daily": (
+        "SELECT model, sum(requests) AS requests, sum(prompt_tokens) AS prompt_tokens,"
+        " sum(completion_tokens) AS completion_tokens FROM usage_daily"
+        " WHERE tenant = {tenant:String}"
+        " AND day >= toDate({start:DateTime('UTC')}) AND day < toDate({end:DateTime('UTC')})"
+        " GROUP BY model ORDER BY model"
+    ),
+}
 _COST_SQL = (
     "SELECT currency, toString(sum(cost)) AS cost FROM usage_cost"
     " WHERE tenant = {tenant:String} AND priced"
@@ -309,12 +327,16 @@ class CheckReport:
 
 
 async def check(query: Query, tenant: str, period: Period) -> CheckReport:
-    """The invoice from the raw rows, compared with the rollup's and ``usage_cost``'s figures."""
+    """The invoice from the raw rows, compared with both rollups' and ``usage_cost``'s figures.
+
+    The hourly rollup gives a whole second invoice, compared line by line; the
+    daily rollup gives each model's requests and tokens.
+    """
     raw = await compute(query, tenant, period, "raw")
     rollup = await compute(query, tenant, period, "rollup")
     differences: list[str] = []
     if raw.requests != rollup.requests:
-        differences.append(f"requests: raw rows {raw.requests}, rollup {rollup.requests}")
+        differences.append(f"requests: raw rows {raw.requests}, hourly rollup {rollup.requests}")
 
     def keyed(invoice: Invoice) -> dict[tuple[str, str, str], Line]:
         return {(line.model, line.kind, line.price_from): line for line in invoice.lines}
@@ -325,19 +347,40 @@ async def check(query: Query, tenant: str, period: Period) -> CheckReport:
         if a != b:
             what = " ".join(key)
             differences.append(
-                f"{what}: raw rows {_describe(a)}, rollup {_describe(b)}",
+                f"{what}: raw rows {_describe(a)}, hourly rollup {_describe(b)}",
             )
     if raw.unpriced != rollup.unpriced:
-        differences.append(f"unpriced usage: raw rows {raw.unpriced}, rollup {rollup.unpriced}")
+        differences.append(
+            f"unpriced usage: raw rows {raw.unpriced}, hourly rollup {rollup.unpriced}"
+        )
+    parameters = _parameters(tenant, period)
+    totals: dict[str, dict[str, tuple[int, int, int]]] = {}
+    for source, sql in _TOTALS_SQL.items():
+        rows = await _rows(query, sql, parameters)
+        totals[source] = {
+            str(r["model"]): (
+                int(r["requests"]),
+                int(r["prompt_tokens"]),
+                int(r["completion_tokens"]),
+            )
+            for r in rows
+        }
+    for model in sorted(totals["raw"].keys() | totals["daily"].keys()):
+        in_raw, in_daily = totals["raw"].get(model), totals["daily"].get(model)
+        if in_raw != in_daily:
+            differences.append(
+                f"{model} (requests, prompt tokens, completion tokens): raw rows {in_raw}, "
+                f"daily rollup {in_daily}"
+            )
     viewed = {
         str(row["currency"]): Decimal(row["cost"])
-        for row in await _rows(query, _COST_SQL, _parameters(tenant, period))
+        for row in await _rows(query, _COST_SQL, parameters)
     }
     if viewed != rollup.totals:
         differences.append(
             "usage_cost: "
             + ", ".join(f"{c} {t}" for c, t in sorted(viewed.items()))
-            + "; invoice from the rollup: "
+            + "; invoice from the hourly rollup: "
             + ", ".join(f"{c} {t}" for c, t in rollup.totals.items())
         )
     return CheckReport(raw, differences)

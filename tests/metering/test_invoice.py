@@ -140,11 +140,27 @@ async def test_check_agrees_then_names_the_line_a_damaged_rollup_changes(
     report = await check(querying(billed), TENANT, NOVEMBER)
     assert not report.ok
     joined = "\n".join(report.differences)
-    assert "requests: raw rows 6, rollup 7" in joined
+    assert "requests: raw rows 6, hourly rollup 7" in joined
     assert "m/b prompt 2026-01-01: raw rows 999999 tokens" in joined
-    assert "rollup 1000999 tokens" in joined
+    assert "hourly rollup 1000999 tokens" in joined
+    assert "daily rollup" not in joined  # that one is whole
     # the invoice itself still comes from the raw rows
     assert report.invoice.totals == {"USD": Decimal(EXPECTED_TOTAL)}
+
+
+async def test_check_names_the_model_a_damaged_daily_rollup_changes(
+    billed: UsageStore,
+) -> None:
+    billed.writer.command(
+        "INSERT INTO usage_daily (day, tenant, key_id, model, requests, failed,"
+        " prompt_tokens, completion_tokens)"
+        " VALUES ('2026-11-03', 'acme', 'key-x', 'm/a', 0, 0, 0, 17)"
+    )
+    report = await check(querying(billed), TENANT, NOVEMBER)
+    assert report.differences == [
+        "m/a (requests, prompt tokens, completion tokens): raw rows (4, 113352, 32125), "
+        "daily rollup (4, 113352, 32142)"
+    ]
 
 
 async def test_a_month_without_usage_has_no_lines(billed: UsageStore) -> None:
