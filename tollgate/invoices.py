@@ -34,12 +34,22 @@ from datetime import UTC, datetime
 from decimal import ROUND_HALF_UP, Context, Decimal, localcontext
 from typing import Any, Literal
 
-from tollgate.wire.contracts import QueryResult
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from tollgate.analytics import MeteringUnavailable
+from tollgate.wire import codec
+from tollgate.wire.contracts import InvoiceAnswer, InvoiceRequest, QueryResult
+from tollgate.wire.subjects import Subjects
 
 Query = Callable[[str, dict[str, Any]], Awaitable[QueryResult]]
 Source = Literal["raw", "rollup"]
 
-_MONTH = re.compile(r"([1-9][0-9]{3})-(0[1-9]|1[0-2])")
+# Months ClickHouse's DateTime holds (1970 to 2105).
+_MONTH = re.compile(r"(19[7-9][0-9]|20[0-9][0-9]|210[0-5])-(0[1-9]|1[0-2])")
+# Most rows one of an invoice's queries may read (rows per model and hour or day).
+INVOICE_MAX_ROWS = 200_000
 MILLION = Decimal(1_000_000)
 CENT = Decimal("0.01")
 # Enough digits for any amount: quantities up to 2^64, prices with 6 decimals.
@@ -139,7 +149,7 @@ class Price:
 class Line:
     model: str
     kind: Literal["prompt", "completion"]
-    price_from: str  # the price period's first day (ISO date)
+    price_from: str  # the price's start: an ISO date, or an instant when not at midnight
     quantity: int  # tokens
     unit_price: Decimal  # per million tokens
     currency: str
@@ -254,6 +264,15 @@ async def _prices(query: Query) -> dict[str, list[Price]]:
     return prices
 
 
+def _instant(seconds: int) -> str:
+    """A price's start: its date when it starts at midnight (as the catalog's do), else
+    the instant, so two prices starting on one day are two lines."""
+    start = datetime.fromtimestamp(seconds, UTC)
+    if seconds % 86400 == 0:
+        return start.date().isoformat()
+    return start.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _price_at(prices: list[Price], hour: int) -> Price | None:
     """The latest price from at or before ``hour`` (as ``usage_cost``'s ASOF join), if valid."""
     index = bisect_right([p.valid_from for p in prices], hour)
@@ -305,7 +324,7 @@ async def compute(query: Query, tenant: str, period: Period, source: Source = "r
                 Line(
                     model=model,
                     kind="prompt" if kind == "prompt" else "completion",
-                    price_from=datetime.fromtimestamp(valid_from, UTC).date().isoformat(),
+                    price_from=_instant(valid_from),
                     quantity=quantity,
                     unit_price=unit,
                     currency=price.currency,
@@ -375,6 +394,7 @@ async def check(query: Query, tenant: str, period: Period) -> CheckReport:
     viewed = {
         str(row["currency"]): Decimal(row["cost"])
         for row in await _rows(query, _COST_SQL, parameters)
+        if Decimal(row["cost"]) != 0  # usage of no tokens makes no invoice line
     }
     if viewed != rollup.totals:
         differences.append(
@@ -392,3 +412,24 @@ def _describe(line: Line | None) -> str:
     return (
         f"{line.quantity} tokens at {plain(line.unit_price)} = {plain(line.amount)} {line.currency}"
     )
+
+
+async def request_invoice(
+    nc: NATS, subjects: Subjects, tenant: str, period: Period, timeout: float = 60.0
+) -> dict[str, Any]:
+    """The metering service's invoice (with its check) for ``tenant`` and ``period``.
+
+    Raises :class:`~tollgate.analytics.MeteringUnavailable` when no metering
+    service answers, :class:`InvoiceError` when it could not compute one.
+    """
+    request = InvoiceRequest(tenant=tenant, month=str(period))
+    try:
+        reply = await nc.request(subjects.metering_invoice, codec.encode(request), timeout=timeout)
+    except NoRespondersError:
+        raise MeteringUnavailable("no metering service is running") from None
+    except (TimeoutError, NatsTimeoutError):
+        raise MeteringUnavailable(f"the metering service did not answer in {timeout:g} s") from None
+    answer = codec.decode(InvoiceAnswer, reply.data)
+    if answer.invoice is None:
+        raise InvoiceError(answer.error or "no invoice")
+    return answer.invoice

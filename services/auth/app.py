@@ -22,8 +22,8 @@ from services.auth.metrics import AuthMetrics
 from services.auth.openapi import admin_api
 from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
 from services.auth.settings import AuthSettings, load_admin_token
-from tollgate.analytics import MeteringUnavailable, run_query
-from tollgate.invoices import InvoiceError, Period, check
+from tollgate.analytics import MeteringUnavailable
+from tollgate.invoices import InvoiceError, Period, request_invoice
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tokens import SigningKeySet, auth_dir
 from tollgate.runtime.httpserver import BodyTimeout
@@ -32,7 +32,6 @@ from tollgate.runtime.openapi import add_openapi_route, build_document
 from tollgate.runtime.ops import add_ops_routes
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire import bus
-from tollgate.wire.contracts import QueryResult
 from tollgate.wire.control import ControlBroker
 from tollgate.wire.errors import error_json
 from tollgate.wire.topology import Role
@@ -45,8 +44,8 @@ ADMIN_TOKEN = web.AppKey("admin_token", str)
 METRICS = web.AppKey("metrics", AuthMetrics)
 BUS = web.AppKey("bus", NATS)
 COMMON = web.AppKey("common", CommonSettings)
-# How long an invoice's queries may take, each, before the admin API answers 503.
-INVOICE_QUERY_TIMEOUT_S = 30.0
+# How long the metering service may take over an invoice before the admin API answers 503.
+INVOICE_TIMEOUT_S = 60.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -213,26 +212,18 @@ async def show_invoice(request: web.Request) -> web.Response:
     if not 1 <= len(tenant) <= 200:
         raise ValueError("A tenant name has 1 to 200 characters.")
     period = Period.parse(request.match_info["month"])
-    nc = request.app[BUS]
     subjects = request.app[COMMON].subjects
-
-    async def query(sql: str, parameters: dict[str, Any]) -> QueryResult:
-        return await run_query(
-            nc, subjects, sql, parameters, max_rows=100_000, timeout=INVOICE_QUERY_TIMEOUT_S
-        )
-
     try:
-        report = await check(query, tenant, period)
-    except MeteringUnavailable as exc:
-        return _error(
-            503, f"Invoices come from the metering service: {exc}.", "metering_unavailable"
+        invoice = await request_invoice(
+            request.app[BUS], subjects, tenant, period, INVOICE_TIMEOUT_S
         )
+    except MeteringUnavailable as exc:
+        message = f"Invoices come from the metering service: {exc}."
+        return _error(503, message, "metering_unavailable")
     except InvoiceError as exc:
         log.error("invoice failed", extra={"tenant": tenant, "error": str(exc)})
         return _error(503, "The metering service could not compute the invoice.", "metering_error")
-    body = report.invoice.to_json()
-    body["check"] = {"ok": report.ok, "differences": report.differences}
-    return _json(body)
+    return _json(invoice)
 
 
 def create_app(settings: AuthSettings, common: CommonSettings) -> web.Application:

@@ -186,7 +186,11 @@ class BudgetLedger:
     async def _ack_floor(self) -> int:
         """The consumer's ack floor: every event at or below it is acked for good."""
         consumer = self.topology.auth_budget
-        info = await self.js.consumer_info(consumer.stream, consumer.durable)
+        try:
+            info = await self.js.consumer_info(consumer.stream, consumer.durable)
+        except Exception as exc:  # counting goes on; the entries keep what they hold
+            log.warning("reading the ack floor failed: %s: %s", type(exc).__name__, exc)
+            return 0
         return int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0
 
     async def count(self, event: UsageEvent, seq: int, floor: int = 0) -> None:
@@ -233,10 +237,13 @@ class BudgetLedger:
                 return None
             new_floor = max(known_floor, floor)
             total = int(state.get("tokens", 0)) + tokens
+            seqs = sorted([s for s in counted if s > new_floor] + [seq])
             new = {
                 "tokens": total,
                 "floor": new_floor,
-                "seqs": sorted([s for s in counted if s > new_floor] + [seq]),
+                "seqs": seqs,
+                # what a ledger of the in-order format reads (a rolling update)
+                "last_seq": max(seqs[-1], new_floor),
             }
             try:
                 if revision:

@@ -45,7 +45,10 @@ class InvoiceLine(BaseModel):
 
     model: str = Field(description="The billed model (an adapter's own id for its calls).")
     kind: Literal["prompt", "completion"]
-    price_from: str = Field(description="The first day of the price of this line (ISO date).")
+    price_from: str = Field(
+        description="The price's start: an ISO date, or an instant (`2026-11-02T10:00:00Z`) "
+        "for a price not starting at midnight."
+    )
     quantity: int = Field(ge=0, description="Tokens.")
     unit_price: str = Field(description="Price per million tokens, a decimal string.")
     currency: str
@@ -109,8 +112,8 @@ TENANT = PathParameter(
 )
 MONTH = PathParameter(
     "month",
-    "The month, `YYYY-MM` (UTC).",
-    {"type": "string", "pattern": "^[1-9][0-9]{3}-(0[1-9]|1[0-2])$"},
+    "The month, `YYYY-MM` (UTC), from 1970-01 to 2105-12.",
+    {"type": "string", "pattern": "^(19[7-9][0-9]|20[0-9][0-9]|210[0-5])-(0[1-9]|1[0-2])$"},
 )
 
 

@@ -1,4 +1,5 @@
-"""Read-only queries over NATS (``tg.metering.query``), for the CLI, the scaler and replay.
+"""Read-only queries over NATS (``tg.metering.query``), for the CLI, the scaler and replay;
+monthly invoices (``tg.metering.invoice``), for the admin API.
 
 Only the metering service opens ClickHouse (chDB allows one process per data
 directory), so everything else that needs usage data asks here. The query
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -20,8 +22,9 @@ from pydantic import ValidationError
 
 from services.metering.metrics import MeteringMetrics
 from services.metering.store import UsageStore
+from tollgate.invoices import INVOICE_MAX_ROWS, InvoiceError, Period, check
 from tollgate.wire import codec
-from tollgate.wire.contracts import QueryRequest, QueryResult
+from tollgate.wire.contracts import InvoiceAnswer, InvoiceRequest, QueryRequest, QueryResult
 from tollgate.wire.subjects import Subjects
 
 log = logging.getLogger("tollgate.metering.queries")
@@ -47,6 +50,41 @@ class QueryResponder:
 
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.metering_query, queue="metering", cb=self._on_query)
+        await self.nc.subscribe(
+            self.subjects.metering_invoice, queue="metering", cb=self._on_invoice
+        )
+
+    async def _on_invoice(self, msg: Msg) -> None:
+        try:
+            request: InvoiceRequest | None = codec.decode(InvoiceRequest, msg.data)
+        except (ValidationError, ValueError):
+            request = None
+        body = await self.invoice(request)
+        if msg.reply:
+            await msg.respond(body)
+
+    async def invoice(self, request: InvoiceRequest | None) -> bytes:
+        """The encoded :class:`InvoiceAnswer` (``None``: the request was not valid)."""
+        if request is None:
+            answer = InvoiceAnswer(error="Not a valid tg.invoice_request.v1 message.")
+            return codec.encode(answer)
+
+        async def query(sql: str, parameters: dict[str, Any]) -> QueryResult:
+            async with self._one_at_a_time:
+                return await asyncio.to_thread(self.store.query, sql, parameters, INVOICE_MAX_ROWS)
+
+        try:
+            report = await check(query, request.tenant, Period.parse(request.month))
+        except (InvoiceError, ValueError) as exc:
+            log.error("invoice failed", extra={"tenant": request.tenant, "error": str(exc)})
+            return codec.encode(InvoiceAnswer(error="The invoice could not be computed."))
+        invoice = report.invoice.to_json()
+        invoice["check"] = {"ok": report.ok, "differences": report.differences}
+        body = codec.encode(InvoiceAnswer(invoice=invoice))
+        if len(body) > self.nc.max_payload:
+            error = f"The invoice is larger than {self.nc.max_payload} bytes."
+            body = codec.encode(InvoiceAnswer(error=error))
+        return body
 
     async def _on_query(self, msg: Msg) -> None:
         try:

@@ -170,7 +170,17 @@ async def test_a_month_without_usage_has_no_lines(billed: UsageStore) -> None:
 
 def test_a_month_is_parsed_strictly() -> None:
     assert Period.parse("2026-12").end == datetime(2027, 1, 1, tzinfo=UTC)
-    for bad in ("2026-13", "11-2026", "2026-11-01", "", "2026-1", "0999-01", "\uff12026-11"):
+    for bad in (
+        "2026-13",
+        "11-2026",
+        "2026-11-01",
+        "",
+        "2026-1",
+        "0999-01",
+        "\uff12026-11",
+        "1969-12",
+        "2106-01",
+    ):
         with pytest.raises(ValueError, match="YYYY-MM"):
             Period.parse(bad)
 
@@ -194,6 +204,67 @@ async def test_a_price_from_mid_day_prices_each_hour_from_its_start(billed: Usag
     m_b = [line for line in report.invoice.lines if line.model == "m/b"]
     # the call at 05:30 falls in the hour from 05:00: the new price
     assert [(line.kind, line.price_from, line.amount) for line in m_b] == [
-        ("completion", "2026-11-20", Decimal("0.0000088")),
-        ("prompt", "2026-11-20", Decimal("2.1999978")),
+        ("completion", "2026-11-20T05:00:00Z", Decimal("0.0000088")),
+        ("prompt", "2026-11-20T05:00:00Z", Decimal("2.1999978")),
     ]
+
+
+async def test_two_prices_on_one_day_are_two_lines_the_check_tells_apart(
+    billed: UsageStore,
+) -> None:
+    """A price from 05:00 and one from 06:00 on the same day: a damaged hour of either shows."""
+    billed.writer.insert(
+        "prices",
+        [
+            ["m/b", datetime(2026, 11, 20, 5, tzinfo=UTC), None, "2.2", "8.8", "USD"],
+            ["m/b", datetime(2026, 11, 20, 6, tzinfo=UTC), None, "3.3", "9.9", "USD"],
+        ],
+        column_names=[
+            "model",
+            "valid_from",
+            "valid_to",
+            "prompt_per_million",
+            "completion_per_million",
+            "currency",
+        ],
+    )
+    billed.writer.command(
+        "INSERT INTO usage_hourly (hour, tenant, key_id, model, requests, failed,"
+        " prompt_tokens, completion_tokens)"
+        " VALUES ('2026-11-20 07:00:00', 'acme', 'key-x', 'm/b', 0, 0, 1000000, 0)"
+    )
+    report = await check(querying(billed), TENANT, NOVEMBER)
+    assert any(
+        d.startswith("m/b prompt 2026-11-20T06:00:00Z: raw rows no line")
+        for d in report.differences
+    ), report.differences
+
+
+async def test_usage_of_no_tokens_checks_out(store: UsageStore) -> None:
+    store.insert(
+        [
+            event(
+                1,
+                time=at("2026-11-03 10:00:00"),
+                tenant=TENANT,
+                model="m/b",
+                prompt_tokens=0,
+                completion_tokens=0,
+            )
+        ]
+    )
+    store.writer.insert(
+        "prices",
+        [["m/b", datetime(2026, 1, 1, tzinfo=UTC), None, "1.1", "4.4", "EUR"]],
+        column_names=[
+            "model",
+            "valid_from",
+            "valid_to",
+            "prompt_per_million",
+            "completion_per_million",
+            "currency",
+        ],
+    )
+    report = await check(querying(store), TENANT, NOVEMBER)
+    assert report.ok, report.differences
+    assert report.invoice.requests == 1 and report.invoice.lines == []

@@ -408,6 +408,33 @@ class QueryResult(_Contract):
     error: str | None = Field(default=None, description="Why the query failed.")
 
 
+class InvoiceRequest(_Contract):
+    """A tenant's invoice for a month, asked of the metering service (``tg.metering.invoice``).
+
+    The admin API asks this, not a query: the auth service gets invoices, never
+    the usage data itself (captured exchanges included).
+    """
+
+    type: Literal["tg.invoice_request.v1"] = Field(
+        default="tg.invoice_request.v1", description="Contract type id."
+    )
+    tenant: str = Field(min_length=1, max_length=200, description="The tenant to invoice.")
+    month: str = Field(
+        pattern=r"^(19[7-9][0-9]|20[0-9][0-9]|210[0-5])-(0[1-9]|1[0-2])$",
+        description="The month, YYYY-MM (UTC).",
+    )
+
+
+class InvoiceAnswer(_Contract):
+    """The answer to an :class:`InvoiceRequest`: the invoice with its check, or an error."""
+
+    type: Literal["tg.invoice.v1"] = Field(default="tg.invoice.v1", description="Contract type id.")
+    invoice: dict[str, Any] | None = Field(
+        default=None, description="The invoice (tollgate/invoices.py) and its `check`."
+    )
+    error: str | None = Field(default=None, description="Why it could not be computed.")
+
+
 class CaptureEvent(_Contract):
     """A request and its response, kept for traffic analysis and replay (``tg.capture.*``).
 

@@ -221,6 +221,11 @@ class Subjects:
         """Request/reply: read-only queries that the metering service runs."""
         return f"{self.prefix}.metering.query"
 
+    @property
+    def metering_invoice(self) -> str:
+        """Request/reply: a tenant's monthly invoice, computed by the metering service."""
+        return f"{self.prefix}.metering.invoice"
+
     def drain(self, worker_id: str) -> str:
         """Control subject that tells one worker to drain and exit."""
         return f"{self.prefix}.control.drain.{worker_id}"

@@ -428,14 +428,22 @@ class Topology:
                 _roles(R.WORKER),
             ),
             SubjectSpec(
-                "read-only ClickHouse queries (the scaler's demand history, the admin "
-                "API's invoices, the operator's CLI)",
+                "read-only ClickHouse queries",
                 s.metering_query,
-                _roles(R.SCALER, R.AUTH, R.ADMIN),
+                _roles(R.SCALER, R.ADMIN),
                 _roles(R.METERING),
                 request_reply=True,
                 contract=c.QueryRequest,
                 reply=c.QueryResult,
+            ),
+            SubjectSpec(
+                "a tenant's monthly invoice and its check (the admin API's invoices)",
+                s.metering_invoice,
+                _roles(R.AUTH, R.ADMIN),
+                _roles(R.METERING),
+                request_reply=True,
+                contract=c.InvoiceRequest,
+                reply=c.InvoiceAnswer,
             ),
             SubjectSpec(
                 "the scaler's view of every model",
