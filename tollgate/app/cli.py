@@ -358,7 +358,8 @@ def _invoice(ns: argparse.Namespace) -> int:
         print(f"difference: {difference}", file=sys.stderr)
     if differences:
         return 1
-    print("checked: the raw rows, the hourly and daily rollups and usage_cost agree", file=sys.stderr)
+    agree = "checked: the raw rows, the hourly and daily rollups and usage_cost agree"
+    print(agree, file=sys.stderr)
     return 0
 
 
