@@ -38,13 +38,19 @@ async def run_query(
     timeout: float = 60.0,
 ) -> QueryResult:
     request = QueryRequest(sql=sql, parameters=parameters or {}, max_rows=max_rows)
+    reply = await ask_metering(nc, subjects.metering_query, codec.encode(request), timeout)
+    return codec.decode(QueryResult, reply)
+
+
+async def ask_metering(nc: NATS, subject: str, body: bytes, timeout: float) -> bytes:
+    """The metering service's reply on one of its request subjects, or MeteringUnavailable."""
     try:
-        reply = await nc.request(subjects.metering_query, codec.encode(request), timeout=timeout)
+        reply = await nc.request(subject, body, timeout=timeout)
     except NoRespondersError:
         raise MeteringUnavailable("no metering service is running") from None
     except (TimeoutError, NatsTimeoutError):
         raise MeteringUnavailable(f"the metering service did not answer in {timeout:g} s") from None
-    return codec.decode(QueryResult, reply.data)
+    return bytes(reply.data)
 
 
 _GROUPS: dict[str, tuple[str, str]] = {

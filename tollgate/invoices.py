@@ -35,10 +35,8 @@ from decimal import ROUND_HALF_UP, Context, Decimal, localcontext
 from typing import Any, Literal
 
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 
-from tollgate.analytics import MeteringUnavailable
+from tollgate.analytics import ask_metering
 from tollgate.wire import codec
 from tollgate.wire.contracts import InvoiceAnswer, InvoiceRequest, QueryResult
 from tollgate.wire.subjects import Subjects
@@ -422,14 +420,9 @@ async def request_invoice(
     Raises :class:`~tollgate.analytics.MeteringUnavailable` when no metering
     service answers, :class:`InvoiceError` when it could not compute one.
     """
-    request = InvoiceRequest(tenant=tenant, month=str(period))
-    try:
-        reply = await nc.request(subjects.metering_invoice, codec.encode(request), timeout=timeout)
-    except NoRespondersError:
-        raise MeteringUnavailable("no metering service is running") from None
-    except (TimeoutError, NatsTimeoutError):
-        raise MeteringUnavailable(f"the metering service did not answer in {timeout:g} s") from None
-    answer = codec.decode(InvoiceAnswer, reply.data)
+    request = codec.encode(InvoiceRequest(tenant=tenant, month=str(period)))
+    reply = await ask_metering(nc, subjects.metering_invoice, request, timeout)
+    answer = codec.decode(InvoiceAnswer, reply)
     if answer.invoice is None:
         raise InvoiceError(answer.error or "no invoice")
     return answer.invoice

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from services.metering.store import UsageStore
+from tests.metering.test_invoice import insert_prices
 from tests.metering.test_store import event
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "tollgate-billing.json"
@@ -65,17 +66,9 @@ def used(store: UsageStore) -> UsageStore:
     rows[4]["outcome"] = "client_disconnected"
     rows[5]["http_status"] = 502
     store.insert(rows)
-    store.writer.insert(
-        "prices",
+    insert_prices(
+        store,
         [[m, START, None, "0.5", "1.5", "USD"] for m in ("m/a", "m/b")],
-        column_names=[
-            "model",
-            "valid_from",
-            "valid_to",
-            "prompt_per_million",
-            "completion_per_million",
-            "currency",
-        ],
     )
     return store
 

@@ -78,12 +78,21 @@ def billed(store: UsageStore) -> UsageStore:
             )
         )
     store.insert(rows)
-    store.writer.insert(
-        "prices",
+    insert_prices(
+        store,
         [
             [model, datetime.fromisoformat(start).replace(tzinfo=UTC), None, p, c, "USD"]
             for model, start, p, c in PRICES
         ],
+    )
+    return store
+
+
+def insert_prices(store: UsageStore, rows: list[list[Any]]) -> None:
+    """Price rows: model, valid_from, valid_to, prompt and completion per million, currency."""
+    store.writer.insert(
+        "prices",
+        rows,
         column_names=[
             "model",
             "valid_from",
@@ -93,7 +102,6 @@ def billed(store: UsageStore) -> UsageStore:
             "currency",
         ],
     )
-    return store
 
 
 def querying(store: UsageStore) -> Any:
@@ -187,17 +195,9 @@ def test_a_month_is_parsed_strictly() -> None:
 
 async def test_a_price_from_mid_day_prices_each_hour_from_its_start(billed: UsageStore) -> None:
     """Prices that start at midnight allow sums per day; one that starts at 05:00 does not."""
-    billed.writer.insert(
-        "prices",
+    insert_prices(
+        billed,
         [["m/b", datetime(2026, 11, 20, 5, tzinfo=UTC), None, "2.2", "8.8", "USD"]],
-        column_names=[
-            "model",
-            "valid_from",
-            "valid_to",
-            "prompt_per_million",
-            "completion_per_million",
-            "currency",
-        ],
     )
     report = await check(querying(billed), TENANT, NOVEMBER)
     assert report.ok, report.differences
@@ -213,19 +213,11 @@ async def test_two_prices_on_one_day_are_two_lines_the_check_tells_apart(
     billed: UsageStore,
 ) -> None:
     """A price from 05:00 and one from 06:00 on the same day: a damaged hour of either shows."""
-    billed.writer.insert(
-        "prices",
+    insert_prices(
+        billed,
         [
             ["m/b", datetime(2026, 11, 20, 5, tzinfo=UTC), None, "2.2", "8.8", "USD"],
             ["m/b", datetime(2026, 11, 20, 6, tzinfo=UTC), None, "3.3", "9.9", "USD"],
-        ],
-        column_names=[
-            "model",
-            "valid_from",
-            "valid_to",
-            "prompt_per_million",
-            "completion_per_million",
-            "currency",
         ],
     )
     billed.writer.command(
@@ -253,17 +245,9 @@ async def test_usage_of_no_tokens_checks_out(store: UsageStore) -> None:
             )
         ]
     )
-    store.writer.insert(
-        "prices",
+    insert_prices(
+        store,
         [["m/b", datetime(2026, 1, 1, tzinfo=UTC), None, "1.1", "4.4", "EUR"]],
-        column_names=[
-            "model",
-            "valid_from",
-            "valid_to",
-            "prompt_per_million",
-            "completion_per_million",
-            "currency",
-        ],
     )
     report = await check(querying(store), TENANT, NOVEMBER)
     assert report.ok, report.differences
