@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
-from tollgate.keys.records import KeyRecord, KeyState, SigningKey
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from services.auth.protocol import CreateKey, RotateSigningKey, TenantLimits, UpdateKey
+from tollgate.keys.records import KeyRecord, KeyState, SigningKey, TenantRecord, budget_window
 from tollgate.keys.store import KeyStore
+from tollgate.keys.tenants import TenantStore, tenant_scope
 from tollgate.keys.tokens import SigningKeySet
 
 
@@ -16,10 +21,22 @@ class KeyRevokedError(Exception):
     """A change to a revoked key: revoked is final (the admin API answers 409)."""
 
 
+class TenantNotFoundError(Exception):
+    """A tenant without limits of its own (the admin API answers 404)."""
+
+
 class KeyAdmin:
-    def __init__(self, store: KeyStore, signing: SigningKeySet) -> None:
+    def __init__(
+        self,
+        store: KeyStore,
+        signing: SigningKeySet,
+        tenants: TenantStore | None = None,
+        spent: Callable[[str, str], Awaitable[int]] | None = None,
+    ) -> None:
         self.store = store
         self.signing = signing
+        self.tenants = tenants
+        self.spent = spent  # (spend entry's name, window) -> tokens counted by the ledger
 
     async def create(self, spec: CreateKey) -> tuple[str, KeyRecord]:
         limits = spec.model_dump(exclude={"tenant", "name", "models", "ttl_s"})
@@ -71,3 +88,37 @@ class KeyAdmin:
         key.retired = True
         await self.store.publish_signing_key(key, "retire")
         return key
+
+    # -- tenant-wide limits --------------------------------------------------
+
+    def _tenant_store(self) -> TenantStore:
+        if self.tenants is None:
+            raise RuntimeError("the admin has no tenant store")
+        return self.tenants
+
+    async def tenant_view(self, record: TenantRecord) -> dict[str, Any]:
+        """The record with its spend in the current budget period (``spent_tokens``)."""
+        view = record.model_dump(mode="json")
+        view["spent_tokens"] = None
+        if record.budget_period is not None and self.spent is not None:
+            window = budget_window(record.budget_period, time.time())
+            view["spent_tokens"] = await self.spent(tenant_scope(record.tenant), window)
+        return view
+
+    async def tenant(self, tenant: str) -> TenantRecord:
+        record = await self._tenant_store().get(tenant)
+        if record is None:
+            raise TenantNotFoundError(tenant)
+        return record
+
+    async def tenant_list(self) -> Sequence[TenantRecord]:
+        return await self._tenant_store().all()
+
+    async def set_tenant(self, tenant: str, limits: TenantLimits) -> TenantRecord:
+        return await self._tenant_store().set_limits(tenant, limits.model_dump())
+
+    async def clear_tenant(self, tenant: str) -> TenantRecord:
+        record = await self._tenant_store().clear(tenant)
+        if record is None:
+            raise TenantNotFoundError(tenant)
+        return record

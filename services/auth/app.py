@@ -16,15 +16,16 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel, ValidationError
 
-from services.auth.admin import KeyAdmin, KeyRevokedError, NotFoundError
+from services.auth.admin import KeyAdmin, KeyRevokedError, NotFoundError, TenantNotFoundError
 from services.auth.ledger import BudgetLedger
 from services.auth.metrics import AuthMetrics
 from services.auth.openapi import admin_api
-from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
+from services.auth.protocol import CreateKey, RotateSigningKey, TenantLimits, UpdateKey
 from services.auth.settings import AuthSettings, load_admin_token
 from tollgate.analytics import MeteringUnavailable
 from tollgate.invoices import InvoiceError, Period, request_invoice
 from tollgate.keys.store import KeyStore
+from tollgate.keys.tenants import TenantStore
 from tollgate.keys.tokens import SigningKeySet, auth_dir
 from tollgate.runtime.httpserver import BodyTimeout
 from tollgate.runtime.jsonbody import integer_beyond_64_bits, integer_message
@@ -95,6 +96,8 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except NotFoundError:
         return _error(404, "No such key.", "not_found")
+    except TenantNotFoundError:
+        return _error(404, "This tenant has no limits of its own.", "not_found")
     except UnsupportedEncoding:
         return _error(
             415, "Content-Encoding must be gzip, deflate or identity.", "unsupported_media_type"
@@ -206,11 +209,38 @@ async def retire_signing_key(request: web.Request) -> web.Response:
     return _json(key.model_dump(mode="json"))
 
 
-async def show_invoice(request: web.Request) -> web.Response:
-    """A tenant's invoice for a month, checked against the rollup (the metering service's data)."""
+def _path_tenant(request: web.Request) -> str:
     tenant = request.match_info["tenant"]
     if not 1 <= len(tenant) <= 200:
         raise ValueError("A tenant name has 1 to 200 characters.")
+    return tenant
+
+
+async def list_tenants(request: web.Request) -> web.Response:
+    admin = request.app[ADMIN]
+    return _json({"data": [await admin.tenant_view(r) for r in await admin.tenant_list()]})
+
+
+async def show_tenant(request: web.Request) -> web.Response:
+    admin = request.app[ADMIN]
+    return _json(await admin.tenant_view(await admin.tenant(_path_tenant(request))))
+
+
+async def set_tenant(request: web.Request) -> web.Response:
+    tenant = _path_tenant(request)
+    admin = request.app[ADMIN]
+    record = await admin.set_tenant(tenant, await _body(request, TenantLimits))
+    return _json(await admin.tenant_view(record))
+
+
+async def clear_tenant(request: web.Request) -> web.Response:
+    record = await request.app[ADMIN].clear_tenant(_path_tenant(request))
+    return _json(record.model_dump(mode="json"))
+
+
+async def show_invoice(request: web.Request) -> web.Response:
+    """A tenant's invoice for a month, checked against the rollup (the metering service's data)."""
+    tenant = _path_tenant(request)
     period = Period.parse(request.match_info["month"])
     subjects = request.app[COMMON].subjects
     try:
@@ -245,7 +275,7 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
         signing = SigningKeySet(settings.signing_keys_file or folder / "signing-keys.json")
         if signing.current is None:
             await store.publish_signing_key(signing.generate(settings.algorithm), "rotate")
-        app[ADMIN] = KeyAdmin(store, signing)
+        tenants = await TenantStore(js, topology, actor="admin-api", role=Role.AUTH).open()
         ledger = BudgetLedger(
             js,
             KeyStore(js, topology, actor="budget-ledger", role=Role.AUTH),
@@ -256,6 +286,7 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
         await ledger.open()
         ledger.store = await ledger.store.open()
         app[LEDGER] = ledger
+        app[ADMIN] = KeyAdmin(store, signing, tenants, ledger.spent)
         broker = ControlBroker(nc, name="auth", graceful_timeout=3)
         ledger.subscribe(broker)
         await broker.start()
@@ -278,6 +309,10 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
     app.router.add_delete("/admin/keys/{key_id}", revoke_key)
     app.router.add_post("/admin/signing-keys/rotate", rotate_signing_key)
     app.router.add_post("/admin/signing-keys/{kid}/retire", retire_signing_key)
+    app.router.add_get("/admin/tenants", list_tenants)
+    app.router.add_get("/admin/tenants/{tenant}", show_tenant)
+    app.router.add_put("/admin/tenants/{tenant}", set_tenant)
+    app.router.add_delete("/admin/tenants/{tenant}", clear_tenant)
     app.router.add_get("/admin/invoices/{tenant}/{month}", show_invoice)
     add_ops_routes(
         app,

@@ -1,9 +1,13 @@
 """Budget accounting from usage events.
 
 A durable consumer reads every usage event of a key with a token budget once
-and adds its tokens to the key's spend for the period (KV ``tg_spend``). Most
-keys have no budget: routers publish their events on ``…usage.<tenant>.plain``,
-which this consumer does not read (``….budget`` is what it reads). A budget
+and adds its tokens to the key's spend for the period (KV ``tg_spend``); when
+the key's tenant has a budget of its own (``tg_tenants``), to the tenant's
+spend as well (``t.<tenant>.<period>``), and a tenant that reaches it is
+marked over budget in its record. Most keys have no budget: routers publish
+their events on ``…usage.<tenant>.plain``, which this consumer does not read
+(``….budget`` is what it reads: the key's or its tenant's budget held part of
+the call). A budget
 set on a key while its calls run counts from its next call; the watch of the
 keys bucket that keeps the key counts also knows which keys have none, and an
 event of such a key is acked without reading the key's record.
@@ -44,8 +48,9 @@ from faststream.nats.message import NatsBatchMessage
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.auth.metrics import AuthMetrics
-from tollgate.keys.records import KeyRecord, KeyState, budget_window
+from tollgate.keys.records import KeyRecord, KeyState, Limits, TenantRecord, budget_window
 from tollgate.keys.store import KeyStore
+from tollgate.keys.tenants import TenantStore, tenant_scope
 from tollgate.wire import control
 from tollgate.wire.contracts import UsageEvent
 from tollgate.wire.permissions import inbox_prefix
@@ -54,6 +59,8 @@ from tollgate.wire.topology import Role, Topology
 log = logging.getLogger("tollgate.auth.ledger")
 
 BATCH = 200
+
+
 # A batch is handed over when full or after this long: how late the ledger may
 # count an event when traffic is light.
 BATCH_WINDOW_S = 0.25
@@ -74,6 +81,7 @@ class BudgetLedger:
         self.topology = topology
         self.reactivate_every_s = reactivate_every_s
         self.spend: Any = None
+        self.tenants: TenantStore | None = None  # opened by :meth:`open`
         self._stopping = asyncio.Event()
         # Counting and reconciling never interleave: a reconcile that read the
         # spend before a batch was counted must not reactivate what it marked.
@@ -86,6 +94,9 @@ class BudgetLedger:
     async def open(self) -> None:
         await self.topology.ensure_stream(self.js, self.topology.usage, Role.AUTH)
         self.spend = await self.topology.bucket(self.js, self.topology.spend)
+        self.tenants = await TenantStore(
+            self.js, self.topology, actor="budget-ledger", role=Role.AUTH
+        ).open()
         # Created here, or brought to this shape: a consumer made before the
         # usage subjects told budget keys' events apart read every event.
         consumer = self.topology.auth_budget
@@ -194,27 +205,52 @@ class BudgetLedger:
         return int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0
 
     async def count(self, event: UsageEvent, seq: int, floor: int = 0) -> None:
-        """Add ``event`` (stream sequence ``seq``) to its key's spend, once.
+        """Add ``event`` (stream sequence ``seq``) to its key's spend and its tenant's, once.
 
         ``floor`` is an ack floor of the consumer read before the event was
         delivered: sequences at or below it need not be remembered any more.
         """
         if event.key_id is None:
             return
+        await self._count_key(event, seq, floor)
+        await self._count_tenant(event, seq, floor)
+
+    async def _count_tenant(self, event: UsageEvent, seq: int, floor: int) -> None:
+        """Add the event to its tenant's spend when the tenant has a budget."""
+        if self.tenants is None:
+            return
+        record = await self.tenants.get(event.tenant)
+        if record is not None and await self._spend(
+            record, tenant_scope(record.tenant), event, seq, floor
+        ):
+            await self._set_tenant(record, True)
+
+    async def _count_key(self, event: UsageEvent, seq: int, floor: int) -> None:
+        assert event.key_id is not None
         if self.metrics is not None and event.key_id in self.metrics.key_counts.unbudgeted:
             # Known from the watch to have no budget: nothing to count, nothing
             # to read. A budget set meanwhile counts from the moment the watch
             # shows it, as it counts from the moment the record has it.
             return
         record = await self.store.get(event.key_id)
-        if record is None or record.budget_tokens is None or record.budget_period is None:
-            return
-        tokens = event.prompt_tokens + event.completion_tokens
-        window = budget_window(record.budget_period, event.time)
-        total = await self._add(f"{record.key_id}.{window}", tokens, seq, floor)
-        current = budget_window(record.budget_period, time.time())
-        if total is not None and window == current and total >= record.budget_tokens:
+        if record is not None and await self._spend(record, record.key_id, event, seq, floor):
             await self._set_state(record, KeyState.OVER_BUDGET, "over_budget")
+
+    async def _spend(
+        self, limits: Limits, name: str, event: UsageEvent, seq: int, floor: int
+    ) -> bool:
+        """Add the event to the spend entry ``<name>.<window>`` of a key's or tenant's budget.
+
+        True when that spends the budget of the current period (the event is
+        new, of this period, and the total reaches the budget).
+        """
+        if limits.budget_tokens is None or limits.budget_period is None:
+            return False
+        tokens = event.prompt_tokens + event.completion_tokens
+        window = budget_window(limits.budget_period, event.time)
+        total = await self._add(f"{name}.{window}", tokens, seq, floor)
+        current = budget_window(limits.budget_period, time.time())
+        return total is not None and window == current and total >= limits.budget_tokens
 
     async def _add(self, key: str, tokens: int, seq: int, floor: int) -> int | None:
         """Add once per stream sequence; the new total, or None if already counted.
@@ -270,12 +306,39 @@ class BudgetLedger:
             self.metrics.state_changes.labels(state.value).inc()
         log.info("key state changed", extra={"key_id": record.key_id, "state": state.value})
 
+    async def _set_tenant(self, record: TenantRecord, over: bool) -> None:
+        """Mark the tenant over budget (every router refuses its keys) or clear the mark."""
+        if record.over_budget is over:
+            return
+
+        def change(current: TenantRecord) -> dict[str, Any] | None:
+            return None if current.over_budget is over else {"over_budget": over}
+
+        assert self.tenants is not None
+        action = "tenant_over_budget" if over else "tenant_reactivate"
+        updated = await self.tenants.update(record.tenant, change, action, create=False)
+        if updated is not None and updated.over_budget is over:
+            log.info("tenant budget state changed", extra={"tenant": record.tenant, "over": over})
+
+    async def reconcile_tenants(self) -> None:
+        """Match every tenant's over-budget mark to its spend in the current period."""
+        if self.tenants is None:
+            return
+        for record in await self.tenants.all():
+            if record.budget_tokens is None or record.budget_period is None:
+                await self._set_tenant(record, False)
+                continue
+            window = budget_window(record.budget_period, time.time())
+            spent = await self.spent(tenant_scope(record.tenant), window)
+            await self._set_tenant(record, spent >= record.budget_tokens)
+
     async def reconcile(self) -> None:
-        """Match every key's state to its spend in the current period.
+        """Match every key's state, and every tenant's mark, to its spend in the current period.
 
         Catches budgets changed by an admin (lowered: over budget; raised, or a
         new period begun: active again).
         """
+        await self.reconcile_tenants()
         for record in await self.store.all():
             if record.state is KeyState.REVOKED:
                 continue

@@ -16,8 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
-from tollgate.keys.records import KeyRecord, SigningKey
+from services.auth.protocol import CreateKey, RotateSigningKey, TenantLimits, UpdateKey
+from tollgate.keys.records import KeyRecord, SigningKey, TenantRecord
 from tollgate.runtime.openapi import (
     I_JSON,
     SAME_ORIGIN,
@@ -38,6 +38,17 @@ class CreatedKey(BaseModel):
 
 class KeyList(BaseModel):
     data: list[KeyRecord] = Field(description="Every key's record, oldest first.")
+
+
+class TenantView(TenantRecord):
+    spent_tokens: int | None = Field(
+        description="Tokens the budget ledger has counted in the current budget period "
+        "(null without a budget)."
+    )
+
+
+class TenantList(BaseModel):
+    data: list[TenantView] = Field(description="Every tenant with limits of its own, by name.")
 
 
 class InvoiceLine(BaseModel):
@@ -210,6 +221,59 @@ def admin_api() -> Api:
         ),
         Operation(
             "GET",
+            "/admin/tenants",
+            "listTenants",
+            "Every tenant with limits of its own, with its spend this budget period.",
+            ("tenants",),
+            {200: Answer("The tenants' records.", TenantList), 401: UNAUTHORIZED},
+        ),
+        Operation(
+            "GET",
+            "/admin/tenants/{tenant}",
+            "showTenant",
+            "One tenant's limits over all its keys, with its spend this budget period.",
+            ("tenants",),
+            {
+                200: Answer("The record.", TenantView),
+                400: _error("The tenant name is longer than 200 characters (`invalid_request`)."),
+                401: UNAUTHORIZED,
+                404: _error("The tenant has no limits of its own (`not_found`)."),
+            },
+            parameters=(TENANT,),
+        ),
+        Operation(
+            "PUT",
+            "/admin/tenants/{tenant}",
+            "setTenant",
+            "Set a tenant's limits over all its keys (replacing those it had); every call "
+            "must fit its key's limits and its tenant's. Reaches every router within "
+            "milliseconds.",
+            ("tenants",),
+            {
+                200: Answer("The record after the change.", TenantView),
+                400: BAD_REQUEST,
+                401: UNAUTHORIZED,
+            },
+            body=TenantLimits,
+            body_required=False,
+            parameters=(TENANT,),
+        ),
+        Operation(
+            "DELETE",
+            "/admin/tenants/{tenant}",
+            "clearTenant",
+            "Remove a tenant's own limits (its keys keep theirs).",
+            ("tenants",),
+            {
+                200: Answer("The record as it was.", TenantRecord),
+                400: _error("The tenant name is longer than 200 characters (`invalid_request`)."),
+                401: UNAUTHORIZED,
+                404: _error("The tenant has no limits of its own (`not_found`)."),
+            },
+            parameters=(TENANT,),
+        ),
+        Operation(
+            "GET",
             "/admin/invoices/{tenant}/{month}",
             "showInvoice",
             "A tenant's invoice for a month, in exact decimals, checked against the rollups.",
@@ -232,7 +296,7 @@ def admin_api() -> Api:
     ]
     return Api(
         title="Tollgate admin API",
-        summary="API keys, signing keys and invoices, on the auth service.",
+        summary="API keys, signing keys, tenant limits and invoices, on the auth service.",
         description="Issue, list, change and revoke API keys, and rotate the keys that sign "
         "them (the `tollgate keys` commands). Every call under `/admin/` needs the admin "
         "token, exactly as `Authorization: Bearer <token>`. Errors are OpenAI-shaped: "
@@ -246,5 +310,5 @@ def admin_api() -> Api:
             }
         },
         operations=operations,
-        tags=("keys", "signing-keys", "billing", "operations"),
+        tags=("keys", "signing-keys", "tenants", "billing", "operations"),
     )

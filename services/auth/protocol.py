@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
 from tollgate.keys.records import Algorithm, BudgetPeriod
@@ -76,6 +76,55 @@ class UpdateKey(BaseModel):
     priority: Priority = None  # type: ignore[assignment]
     priority_header: StrictBool = None  # type: ignore[assignment]
     expires_at: Annotated[float, Field(allow_inf_nan=False), JsonNumber] | None = None
+
+
+# A budget is an amount and its period: one set without the other is refused (400).
+_BUDGET_WHOLE: dict[str, Any] = {
+    "allOf": [
+        {
+            "if": {
+                "properties": {"budget_tokens": {"type": "integer"}},
+                "required": ["budget_tokens"],
+            },
+            "then": {
+                "properties": {"budget_period": {"type": "string"}},
+                "required": ["budget_period"],
+            },
+        },
+        {
+            "if": {
+                "properties": {"budget_period": {"type": "string"}},
+                "required": ["budget_period"],
+            },
+            "then": {
+                "properties": {"budget_tokens": {"type": "integer"}},
+                "required": ["budget_tokens"],
+            },
+        },
+    ]
+}
+
+
+class TenantLimits(BaseModel):
+    """A tenant's limits over all its keys; ``PUT`` replaces them (absent or null: none)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_BUDGET_WHOLE)
+
+    rpm: Limit | None = Field(default=None, description="Requests per minute, all keys together.")
+    tpm: Limit | None = Field(default=None, description="Tokens per minute, all keys together.")
+    max_concurrent: Limit | None = Field(
+        default=None, description="Calls in flight at once, all keys, every router."
+    )
+    budget_tokens: Limit | None = Field(default=None, description="Tokens per budget period.")
+    budget_period: BudgetPeriod | None = Field(
+        default=None, description="`day`, `month` (UTC) or `total`; needed with budget_tokens."
+    )
+
+    @model_validator(mode="after")
+    def _budget_whole(self) -> TenantLimits:
+        if (self.budget_tokens is None) != (self.budget_period is None):
+            raise ValueError("budget_tokens and budget_period are set together")
+        return self
 
 
 class RotateSigningKey(BaseModel):

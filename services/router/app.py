@@ -111,13 +111,7 @@ def create_app(
         limiter = await Limiter.open(js, topology)
 
         async def settle_lost(held: dict[str, Any], tokens: int) -> None:
-            reservation = Reservation(
-                tokens=held["tokens"],
-                tpm_key=held["tpm_key"],
-                budget_key=held["budget_key"],
-                concurrency_key=held.get("concurrency_key"),  # absent in older outboxes
-            )
-            await limiter.settle(reservation, tokens)
+            await limiter.settle(Reservation.from_held(held), tokens)
 
         # calls an earlier run on this outbox accepted and never finished (it was killed)
         lost = LostCalls(

@@ -1,7 +1,8 @@
 """API-key checks on the hot path, from an in-memory mirror of the whitelist.
 
-The mirror watches the KV buckets ``tg_keys`` and ``tg_signing_keys``; a check
-is a signature verification and a dict lookup, with no network call. Until
+The mirror watches the KV buckets ``tg_keys``, ``tg_signing_keys`` and
+``tg_tenants`` (tenant-wide limits); a check is a signature verification and
+dict lookups, with no network call. Until
 both buckets are loaded the router is not ready, so no call gets through on a
 half-loaded whitelist.
 
@@ -38,8 +39,9 @@ from services.router.errors import (
     QuotaExceeded,
     TollgateError,
 )
-from tollgate.keys.records import KeyRecord, KeyState, SigningKey
+from tollgate.keys.records import KeyRecord, KeyState, SigningKey, TenantRecord
 from tollgate.keys.store import KeyStore
+from tollgate.keys.tenants import TenantStore
 from tollgate.keys.tokens import InvalidToken, TokenVerifier, strip_prefix
 from tollgate.models.catalog import Target
 from tollgate.wire.contracts import Priority
@@ -67,6 +69,14 @@ class Principal:
     key_id: str
     tenant: str
     record: KeyRecord
+    tenant_record: TenantRecord | None = None  # the tenant's own limits, if it has any
+
+    @property
+    def limited(self) -> bool:
+        """Whether the key's or the tenant's limits apply (else no shared counter is touched)."""
+        return self.record.limited or (
+            self.tenant_record is not None and self.tenant_record.limited
+        )
 
 
 PRIORITY_HEADER = "X-Tollgate-Priority"
@@ -115,7 +125,7 @@ def _token(request: web.Request) -> str | None:
     return api_key.strip() or None
 
 
-BUCKETS = ("keys", "signing")
+BUCKETS = ("keys", "signing", "tenants")
 
 
 class KeyMirror:
@@ -126,6 +136,8 @@ class KeyMirror:
         retry_after_s: int = 5,
     ) -> None:
         self.records: dict[str, KeyRecord] = {}
+        self.tenants: dict[str, TenantRecord] = {}  # by tenant name: those with limits set
+        self._tenant_by_token: dict[str, str] = {}  # KV key -> tenant name
         self.signing_keys: dict[str, SigningKey] = {}  # the bucket's records, retired included
         self._hs256 = dict(hs256_secrets or {})
         # No secret verifies until its kid's signing-key record says it is live.
@@ -154,10 +166,12 @@ class KeyMirror:
 
     async def start(self, nc: NATS, topology: Topology) -> None:
         store = await KeyStore(nc.jetstream(), topology, role=Role.ROUTER).open()
-        buckets = {"keys": store.keys, "signing": store.signing}
+        tenants = await TenantStore(nc.jetstream(), topology, role=Role.ROUTER).open()
+        buckets = {"keys": store.keys, "signing": store.signing, "tenants": tenants.kv}
         self._tasks = [
             asyncio.create_task(self._watch(nc, store.keys, "keys", self._apply_key)),
             asyncio.create_task(self._watch(nc, store.signing, "signing", self._apply_signing)),
+            asyncio.create_task(self._watch(nc, tenants.kv, "tenants", self._apply_tenant)),
             asyncio.create_task(self._check_lag(buckets)),
         ]
 
@@ -249,6 +263,19 @@ class KeyMirror:
             self.records[key] = KeyRecord.model_validate_json(value)
         except ValueError:
             log.error("malformed key record ignored", extra={"key_id": key})
+
+    def _apply_tenant(self, key: str, value: bytes | None) -> None:
+        """``key`` is the tenant's KV token; the record names the tenant itself."""
+        if value is None:
+            self.tenants.pop(self._tenant_by_token.pop(key, ""), None)
+            return
+        try:
+            record = TenantRecord.model_validate_json(value)
+        except ValueError:
+            log.error("malformed tenant record ignored", extra={"tenant_key": key})
+            return
+        self._tenant_by_token[key] = record.tenant
+        self.tenants[record.tenant] = record
 
     def _apply_signing(self, kid: str, value: bytes | None) -> None:
         if value is None:
@@ -366,7 +393,13 @@ class KeyMirror:
             )
         if not record.usable(time.time()):
             raise self._incorrect()
-        return Principal(record.key_id, record.tenant, record)
+        tenant = self.tenants.get(record.tenant)
+        if tenant is not None and tenant.over_budget and tenant.has_budget:
+            raise QuotaExceeded(
+                "You exceeded your current quota: the token budget of this key's tenant "
+                f"(all its keys together) is spent for this {tenant.budget_period}."
+            )
+        return Principal(record.key_id, record.tenant, record, tenant)
 
     @staticmethod
     def _incorrect() -> InvalidApiKey:

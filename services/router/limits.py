@@ -1,4 +1,8 @@
-"""Per-key limits that hold across every router replica.
+"""Per-key and per-tenant limits that hold across every router replica.
+
+A call must fit its key's limits and, when its tenant has a record in
+``tg_tenants``, its tenant's: the same counters, one set per key and one per
+tenant (``rpm.<key id>.<minute>`` and ``rpm.t.<tenant>.<minute>``, and so on).
 
 Counters live in JetStream KV and change only by compare-and-set, so
 concurrent routers cannot both take the last unit. A router remembers the
@@ -8,7 +12,7 @@ one round trip when it is the only writer, a read and a retry when not.
 - requests/min and tokens/min: fixed one-minute windows (the ``ratelimits`` bucket,
   memory storage, entries expire after two minutes);
 - token budgets per day, month or in total (the ``budgets`` bucket, file storage);
-- calls in flight per key (``conc.<key_id>`` in the ``ratelimits`` bucket): one
+- calls in flight per key (``conc.<key_id>``, ``conc.t.<tenant>`` in the ``ratelimits`` bucket): one
   unit taken before dispatch, given back when the call is settled.
 
 The in-flight counter lives in a bucket whose entries expire two minutes after
@@ -52,7 +56,8 @@ from nats.js.errors import (
 )
 
 from services.router.errors import QuotaExceeded, RateLimited
-from tollgate.keys.records import KeyRecord, budget_window
+from tollgate.keys.records import KeyRecord, Limits, TenantRecord, budget_window
+from tollgate.keys.tenants import tenant_scope
 from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.limits")
@@ -60,13 +65,73 @@ log = logging.getLogger("tollgate.router.limits")
 
 @dataclass
 class Reservation:
-    """What one request holds, to settle once its usage is known."""
+    """What one request holds, to settle once its usage is known.
+
+    A call holds units of its key's counters and of its tenant's: lists of
+    counter names, one per scope that limits it.
+    """
 
     tokens: int = 0
-    tpm_key: str | None = None
-    budget_key: str | None = None
-    concurrency_key: str | None = None  # cleared once its unit is given back
+    tpm_keys: list[str] = field(default_factory=list)
+    budget_keys: list[str] = field(default_factory=list)
+    concurrency_keys: list[str] = field(default_factory=list)  # emptied once given back
     headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def budget(self) -> bool:
+        """Whether a token budget (the key's or the tenant's) holds part of it."""
+        return bool(self.budget_keys)
+
+    def held(self) -> dict[str, Any]:
+        """What the outbox keeps, to settle the call should this router die."""
+        return {
+            "tokens": self.tokens,
+            "tpm_keys": self.tpm_keys,
+            "budget_keys": self.budget_keys,
+            "concurrency_keys": self.concurrency_keys,
+        }
+
+    @classmethod
+    def from_held(cls, held: dict[str, Any]) -> Reservation:
+        """A reservation from :meth:`held`, or from an outbox of the one-key format."""
+
+        def names(plural: str, single: str) -> list[str]:
+            if plural in held:
+                return [str(name) for name in held[plural] or []]
+            return [str(held[single])] if held.get(single) else []
+
+        return cls(
+            tokens=int(held.get("tokens") or 0),
+            tpm_keys=names("tpm_keys", "tpm_key"),
+            budget_keys=names("budget_keys", "budget_key"),
+            concurrency_keys=names("concurrency_keys", "concurrency_key"),
+        )
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Whose limits a counter enforces: a key's or its tenant's (named in messages)."""
+
+    who: str  # "key" or "tenant"
+    ident: str  # the key id, or ``t.<tenant key>``
+    limits: Limits
+
+    @classmethod
+    def of_key(cls, record: KeyRecord) -> Scope:
+        return cls("key", record.key_id, record)
+
+    @classmethod
+    def of_tenant(cls, record: TenantRecord) -> Scope:
+        return cls("tenant", tenant_scope(record.tenant), record)
+
+    def counter(self, kind: str, *parts: object) -> str:
+        """A counter's name: ``rpm.<key id>.<minute>`` for a key, ``rpm.t.<tenant>.<minute>``
+        for a tenant (:func:`~tollgate.keys.tenants.tenant_scope`)."""
+        return ".".join([kind, self.ident, *map(str, parts)])
+
+    def budget_counter(self, window: str) -> str:
+        """``<key id>.<window>`` (as ever) or ``t.<tenant>.<window>``."""
+        return f"{self.ident}.{window}"
 
 
 class ConcurrencyLimited(RateLimited):
@@ -78,9 +143,10 @@ class ConcurrencyLimited(RateLimited):
 
     code = "concurrency_limit_exceeded"
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, who: str = "key") -> None:
+        whose = "this key" if who == "key" else "this key's tenant (all its keys together)"
         super().__init__(
-            f"Too many concurrent requests for this key: {limit} at once. "
+            f"Too many concurrent requests for {whose}: {limit} at once. "
             "Please retry when one finishes."
         )
 
@@ -183,74 +249,104 @@ class Limiter:
             CounterStore(budgets, lambda: topology.bucket(js, topology.budgets)),
         )
 
-    async def reserve(self, record: KeyRecord, worst_tokens: int) -> Reservation:
+    async def reserve(
+        self, record: KeyRecord, worst_tokens: int, tenant: TenantRecord | None = None
+    ) -> Reservation:
         """Take one call in flight, one request and ``worst_tokens`` tokens, or raise a 429.
 
+        Each is taken from the key's limits and then from its tenant's
+        (``tenant``: the tenant's record, if it has one): a call must fit both.
         Whatever refuses (or fails), every unit already taken is given back.
         """
         if worst_tokens < 0:
             raise ValueError(f"a reservation cannot be negative: {worst_tokens}")
+        scopes = [Scope.of_key(record)]
+        if tenant is not None and tenant.limited:
+            scopes.append(Scope.of_tenant(tenant))
         now = time.time()
         minute = int(now // 60)
         reset = str(60 - int(now % 60))
-        held = Reservation()
-        rpm_key: str | None = None
+        held = Reservation(tokens=worst_tokens)
+        rpm_keys: list[str] = []
         try:
-            if record.max_concurrent is not None:
-                key = f"conc.{record.key_id}"
-                ok, _ = await self.rates.add(key, 1, record.max_concurrent)
-                if not ok:
-                    raise ConcurrencyLimited(record.max_concurrent)
-                held.concurrency_key = key
-                self._hold(key)
-            if record.rpm is not None:
-                key = f"rpm.{record.key_id}.{minute}"
-                await self._take(held, key, 1, record.rpm, "requests", reset)
-                rpm_key = key
-            if record.tpm is not None:
-                key = f"tpm.{record.key_id}.{minute}"
-                await self._take(held, key, worst_tokens, record.tpm, "tokens", reset)
-                held.tpm_key = key
-            held.tokens = worst_tokens
-            if record.budget_tokens is not None and record.budget_period is not None:
-                key = f"{record.key_id}.{budget_window(record.budget_period, now)}"
-                ok, _ = await self.budgets.add(key, worst_tokens, record.budget_tokens)
-                if not ok:
-                    raise QuotaExceeded(
-                        "You exceeded your current quota: this key's token budget for the "
-                        f"{record.budget_period} cannot cover this request.",
-                        headers=held.headers,
-                    )
-                held.budget_key = key
+            for scope in scopes:
+                limits = scope.limits
+                if limits.max_concurrent is not None:
+                    key = scope.counter("conc")
+                    ok, _ = await self.rates.add(key, 1, limits.max_concurrent)
+                    if not ok:
+                        raise ConcurrencyLimited(limits.max_concurrent, scope.who)
+                    held.concurrency_keys.append(key)
+                    self._hold(key)
+            for scope in scopes:
+                limits = scope.limits
+                if limits.rpm is not None:
+                    key = scope.counter("rpm", minute)
+                    await self._take(held, scope, key, 1, limits.rpm, "requests", reset)
+                    rpm_keys.append(key)
+            for scope in scopes:
+                limits = scope.limits
+                if limits.tpm is not None:
+                    key = scope.counter("tpm", minute)
+                    await self._take(held, scope, key, worst_tokens, limits.tpm, "tokens", reset)
+                    held.tpm_keys.append(key)
+            for scope in scopes:
+                limits = scope.limits
+                if limits.budget_tokens is not None and limits.budget_period is not None:
+                    key = scope.budget_counter(budget_window(limits.budget_period, now))
+                    ok, _ = await self.budgets.add(key, worst_tokens, limits.budget_tokens)
+                    if not ok:
+                        whose = "this key's" if scope.who == "key" else "this key's tenant's"
+                        raise QuotaExceeded(
+                            f"You exceeded your current quota: {whose} token budget for the "
+                            f"{limits.budget_period} cannot cover this request.",
+                            headers=held.headers,
+                        )
+                    held.budget_keys.append(key)
         except BaseException:
-            await self._give_back(held, rpm_key)
+            await self._give_back(held, rpm_keys)
             raise
         return held
 
-    async def _give_back(self, held: Reservation, rpm_key: str | None) -> None:
+    async def _give_back(self, held: Reservation, rpm_keys: list[str]) -> None:
         """Return what a refused reservation took: the call, the request, the tokens."""
-        if rpm_key is not None:
+        for key in rpm_keys:
             try:
-                await self.rates.add(rpm_key, -1, floor=0)
+                await self.rates.add(key, -1, floor=0)
             except Exception as exc:
                 log.error("giving back a request failed: %s: %s", type(exc).__name__, str(exc))
         await self.settle(held, 0)
 
     async def _take(
-        self, held: Reservation, key: str, amount: int, limit: int, kind: str, reset: str
+        self,
+        held: Reservation,
+        scope: Scope,
+        key: str,
+        amount: int,
+        limit: int,
+        kind: str,
+        reset: str,
     ) -> None:
-        """Take ``amount`` from a per-minute window, or raise a 429 with OpenAI's headers."""
+        """Take ``amount`` from a per-minute window, or raise a 429 with OpenAI's headers.
+
+        The ``x-ratelimit-*`` headers describe the tighter of the key's and the
+        tenant's windows: the one with fewer units left.
+        """
         ok, used = await self.rates.add(key, amount, limit)
-        held.headers.update(
-            {
-                f"x-ratelimit-limit-{kind}": str(limit),
-                f"x-ratelimit-remaining-{kind}": str(max(0, limit - used)),
-                f"x-ratelimit-reset-{kind}": f"{reset}s",
-            }
-        )
+        remaining = max(0, limit - used)
+        shown = held.headers.get(f"x-ratelimit-remaining-{kind}")
+        if not ok or shown is None or remaining < int(shown):
+            held.headers.update(
+                {
+                    f"x-ratelimit-limit-{kind}": str(limit),
+                    f"x-ratelimit-remaining-{kind}": str(remaining),
+                    f"x-ratelimit-reset-{kind}": f"{reset}s",
+                }
+            )
         if not ok:
+            whose = "" if scope.who == "key" else " for this key's tenant (all its keys together)"
             raise RateLimited(
-                f"Rate limit reached for {kind}: {limit} per minute"
+                f"Rate limit reached for {kind}{whose}: {limit} per minute"
                 + (f" (this request may use up to {amount})" if kind == "tokens" else "")
                 + f". Please try again in {reset}s.",
                 headers={**held.headers, "Retry-After": reset},
@@ -268,31 +364,33 @@ class Limiter:
             actual_tokens = 0
         delta = actual_tokens - held.tokens
         await self.release(held)
-        try:
-            if held.tpm_key and delta:
-                await self.rates.add(held.tpm_key, delta, floor=0)
-            if held.budget_key and delta:
-                await self.budgets.add(held.budget_key, delta, floor=0)
-        except Exception as exc:
-            log.error("settling a reservation failed: %s: %s", type(exc).__name__, str(exc))
-            log.debug("settling a reservation failed", exc_info=True)
+        if delta:
+            counters = [(self.rates, key) for key in held.tpm_keys]
+            counters += [(self.budgets, key) for key in held.budget_keys]
+            for store, key in counters:
+                try:
+                    await store.add(key, delta, floor=0)
+                except Exception as exc:
+                    log.error("settling a reservation failed: %s: %s", type(exc).__name__, str(exc))
+                    log.debug("settling a reservation failed", exc_info=True)
         held.tokens = actual_tokens
 
     async def release(self, held: Reservation) -> None:
-        """Give back the reservation's call in flight, once (never raises).
+        """Give back the reservation's calls in flight (key's and tenant's), once (never raises).
 
         :meth:`settle` calls it; a second call, or a settle after it, gives
-        back nothing more. The counter never goes below zero.
+        back nothing more. A counter never goes below zero.
         """
-        key, held.concurrency_key = held.concurrency_key, None
-        if key is None:
-            return
-        self._unhold(key)
-        try:
-            await self.rates.add(key, -1, floor=0)
-        except Exception as exc:
-            log.error("giving back a call in flight failed: %s: %s", type(exc).__name__, str(exc))
-            log.debug("giving back a call in flight failed", exc_info=True)
+        keys, held.concurrency_keys = held.concurrency_keys, []
+        for key in keys:
+            self._unhold(key)
+            try:
+                await self.rates.add(key, -1, floor=0)
+            except Exception as exc:
+                log.error(
+                    "giving back a call in flight failed: %s: %s", type(exc).__name__, str(exc)
+                )
+                log.debug("giving back a call in flight failed", exc_info=True)
 
     def _hold(self, key: str) -> None:
         self._holding[key] = self._holding.get(key, 0) + 1

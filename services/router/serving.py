@@ -222,13 +222,14 @@ class OpenAIServing:
         """
         await self._check_room(prepared.entry.id)
         reservation = None
-        if principal is not None and self.limiter is not None and principal.record.limited:
+        if principal is not None and self.limiter is not None and principal.limited:
             try:
                 reservation = await self.limiter.reserve(
                     principal.record,
                     worst_case_tokens(
                         prepared.endpoint, prepared.body, prepared.entry.max_model_len
                     ),
+                    principal.tenant_record,
                 )
             except RateLimited as exc:
                 if "Retry-After" not in exc.headers:  # the key's concurrent requests
@@ -271,14 +272,7 @@ class OpenAIServing:
             raise
         call.reservation = reservation
         if self.usage is not None:
-            held = None
-            if reservation is not None:
-                held = {
-                    "tokens": reservation.tokens,
-                    "tpm_key": reservation.tpm_key,
-                    "budget_key": reservation.budget_key,
-                    "concurrency_key": reservation.concurrency_key,
-                }
+            held = reservation.held() if reservation is not None else None
             self.usage.opened(call.request, prepared.stream, held)
         if capture and self.capturer is not None:
             tenant = (principal.tenant if principal else None) or "anonymous"
@@ -597,9 +591,7 @@ class OpenAIServing:
         # The event first: settling waits on the bus, and a shutdown that cuts
         # this task short must not cost the usage event. Only once it is in
         # the outbox does the worker hear that its final report is billed.
-        self._record(
-            event, budget=call.reservation is not None and bool(call.reservation.budget_key)
-        )
+        self._record(event, budget=call.reservation is not None and call.reservation.budget)
         await self.dispatcher.acknowledge_end(call)
         if call.captured is not None and self.capturer is not None:
             self.capturer.emit(

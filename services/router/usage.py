@@ -33,6 +33,7 @@ import orjson
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 
+from services.router.limits import Reservation
 from tollgate.wire import codec
 from tollgate.wire.contracts import (
     ChunkKind,
@@ -299,7 +300,7 @@ class LostCalls:
                 total_s=max(0.0, now - float(record["enqueued_at"])),
                 http_status=502,  # the client's connection broke with its router
             ),
-            budget=bool((record.get("reservation") or {}).get("budget_key")),
+            budget=Reservation.from_held(record.get("reservation") or {}).budget,
         )
         del self.records[request_id]
         if self.settle is not None and record.get("reservation"):

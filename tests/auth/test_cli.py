@@ -165,3 +165,42 @@ def test_fair_share_settings_are_set_shown_changed_and_lifted(
 def test_show_of_a_key_that_does_not_exist_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["keys", "show", "no-such-key"]) == 1
     assert "no key 'no-such-key'" in capsys.readouterr().err
+
+
+def tenants(capsys: pytest.CaptureFixture[str], *args: str, status: int = 0) -> str:
+    assert main(["tenants", *args]) == status, capsys.readouterr().err
+    out = capsys.readouterr()
+    return out.out if status == 0 else out.err
+
+
+def tenant_shown(capsys: pytest.CaptureFixture[str], tenant: str) -> dict[str, str]:
+    lines = tenants(capsys, "show", tenant).splitlines()
+    return {line[:18].strip(): line[18:].strip() for line in lines}
+
+
+@pytest.mark.usefixtures("cli_env")
+def test_tenant_limits_are_set_shown_listed_and_cleared(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    said = tenants(
+        capsys, "set", "acme corp", "--rpm", "600", "--max-concurrent", "8",
+        "--budget-tokens", "5000000/month",
+    )  # fmt: skip
+    assert "rpm 600" in said and "budget 5000000/month" in said
+    record = tenant_shown(capsys, "acme corp")
+    assert record["tenant"] == "acme corp" and record["rpm"] == "600"
+    assert record["tpm"] == "none" and record["max concurrent"] == "8"
+    assert record["budget"] == "5000000/month" and record["spent this period"] == "0/5000000"
+    assert record["over budget"] == "no"
+    # set replaces: what it does not name is no limit any more
+    tenants(capsys, "set", "acme corp", "--tpm", "20000")
+    record = tenant_shown(capsys, "acme corp")
+    assert record["rpm"] == "none" and record["tpm"] == "20000" and record["budget"] == "none"
+    listing = tenants(capsys, "list")
+    assert listing.startswith("acme corp") and "tpm 20000" in listing
+    assert "cleared" in tenants(capsys, "clear", "acme corp")
+    assert "no limits of its own" in tenants(capsys, "show", "acme corp", status=1)
+    assert "no limits of its own" in tenants(capsys, "clear", "acme corp", status=1)
+    assert tenants(capsys, "list") == ""
+    with pytest.raises(SystemExit):
+        main(["tenants", "set", "acme corp", "--rpm", "0"])

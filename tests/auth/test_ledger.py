@@ -508,3 +508,52 @@ async def test_two_ledgers_sharing_the_consumer_count_every_event_once(
         for broker in brokers:
             await broker.stop()
         await bus.close(nc)
+
+
+async def test_a_tenants_budget_counts_every_key_once_and_marks_the_tenant(
+    nats_server: NatsServer,
+) -> None:
+    topology = Topology(Subjects(f"tenant{uuid.uuid4().hex[:6]}"))
+    nc = await nats_server.connect(name="test-tenant-ledger")
+    js = nc.jetstream()
+    try:
+        await topology.ensure(js, Role.AUTH)
+        store = await KeyStore(js, topology, actor="test").open()
+        budgeted = KeyRecord(key_id="k1", tenant="acme", budget_tokens=10**9, budget_period="day")
+        plain = KeyRecord(key_id="k2", tenant="acme")
+        for record in (budgeted, plain):
+            await store.keys.put(record.key_id, record.model_dump_json().encode())
+        metrics = AuthMetrics()
+        metrics.key_counts.unbudgeted.add("k2")  # as the watch shows it: no budget of its own
+        ledger = BudgetLedger(js, store, topology, 3600, metrics)
+        await ledger.open()
+        assert ledger.tenants is not None
+        await ledger.tenants.set_limits("acme", {"budget_tokens": 100, "budget_period": "day"})
+        window = budget_window("day", time.time())
+        for seq, key in enumerate(["k1", "k2", "k2", "k1"], start=1):
+            await ledger.count(usage(key, 10, 10), seq)
+        await ledger.count(usage("k2", 10, 10), 2)  # redelivered: counted once
+        assert await ledger.spent("t.acme", window) == 80
+        assert await ledger.spent("k1", window) == 40  # the key's own budget: its events only
+        tenant = await ledger.tenants.get("acme")
+        assert tenant is not None and not tenant.over_budget
+        await ledger.count(usage("k2", 15, 5), 5)
+        tenant = await ledger.tenants.get("acme")
+        assert tenant is not None and tenant.over_budget
+        # an admin raises the budget: the next reconcile clears the mark
+        await ledger.tenants.set_limits("acme", {"budget_tokens": 1000, "budget_period": "day"})
+        assert (await ledger.tenants.get("acme")).over_budget  # type: ignore[union-attr]
+        await ledger.reconcile()
+        tenant = await ledger.tenants.get("acme")
+        assert tenant is not None and not tenant.over_budget
+        # lowered below the spend: the reconcile marks it again
+        await ledger.tenants.set_limits("acme", {"budget_tokens": 50, "budget_period": "day"})
+        await ledger.reconcile()
+        assert (await ledger.tenants.get("acme")).over_budget  # type: ignore[union-attr]
+        # a tenant whose limits are cleared has no record to mark
+        await ledger.tenants.clear("acme")
+        await ledger.count(usage("k2", 1, 1), 6)
+        await ledger.reconcile()
+        assert await ledger.tenants.get("acme") is None
+    finally:
+        await bus.close(nc)

@@ -326,6 +326,10 @@ class AdminTraffic:
         self.create = self.doc.request_schema("/admin/keys", "post")
         self.update = self.doc.request_schema("/admin/keys/{key_id}", "patch")
         self.rotate = self.doc.request_schema("/admin/signing-keys/rotate", "post")
+        self.tenant_limits = self.doc.request_schema("/admin/tenants/{tenant}", "put")
+        self.tenant_view = self.doc.validator(
+            self.doc.response_schema("/admin/tenants/{tenant}", "get", 200) or {}
+        )
         self.record = self.doc.validator(
             self.doc.response_schema("/admin/keys/{key_id}", "get", 200) or {}
         )
@@ -413,7 +417,9 @@ class AdminTraffic:
                     self.keys[key_id] = True
 
             return Request(case, "DELETE", path, self.headers, schema=self.record), revoked_now
-        if roll < 0.95:
+        if roll < 0.92:
+            return self._tenant_call()
+        if roll < 0.96:
             kid = rng.choice(HOSTILE_IDS)
             case = Case(
                 "POST /admin/signing-keys/{kid}/retire",
@@ -439,6 +445,45 @@ class AdminTraffic:
         return Request(
             case, "POST", "/admin/signing-keys/rotate", self.headers, encode(drawn.body, rng)
         ), self._noop
+
+    def _tenant_call(self) -> tuple[Request, Callable[[Answer], None]]:
+        """Set, show or clear a tenant's limits: a tenant of this traffic's own, or a hostile name.
+
+        Its tenants are never those of its keys (``fuzz-<n>``), whose calls their limits
+        would refuse.
+        """
+        rng = self.rng
+        own = rng.random() < 0.7
+        tenant = f"fuzz-tenant-{rng.randrange(50)}" if own else rng.choice(HOSTILE_IDS)
+        path = f"/admin/tenants/{encoded(tenant)}"
+        label = "own tenant" if own else f"tenant {preview(tenant, 40)}"
+        method = rng.choice(["PUT", "PUT", "GET", "DELETE"])
+        if method == "PUT":
+            drawn = self.body(self.tenant_limits, mutate=rng.random() < 0.5)
+            if drawn.strict:
+                expect: frozenset[int] | None = frozenset({400})
+            elif drawn.mutations or not own:
+                expect = None  # a hostile name may be refused, or be a name like any other
+            elif (drawn.body.get("budget_tokens") is None) != (
+                drawn.body.get("budget_period") is None
+            ):
+                expect = frozenset({400})  # a budget is an amount and its period together
+            else:
+                expect = frozenset({200})
+            case = Case(
+                "PUT /admin/tenants/{tenant}",
+                f"{label}; {drawn.label}",
+                label,
+                preview(drawn.body),
+                strict=drawn.strict,
+                expect=expect,
+            )
+            body = encode(drawn.body, rng)
+            return Request(case, "PUT", path, self.headers, body, self.tenant_view), self._noop
+        expect = frozenset({200, 404}) if own else None
+        case = Case(f"{method} /admin/tenants/{{tenant}}", label, label, "", expect=expect)
+        schema = self.tenant_view if method == "GET" else None
+        return Request(case, method, path, self.headers, schema=schema), self._noop
 
     def _created(self, answer: Answer) -> None:
         if answer.status != 201:

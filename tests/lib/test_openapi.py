@@ -30,13 +30,13 @@ from pydantic import BaseModel, SecretStr
 
 from services.auth.app import create_app as create_auth_app
 from services.auth.openapi import admin_api
-from services.auth.protocol import CreateKey, RotateSigningKey, UpdateKey
+from services.auth.protocol import CreateKey, RotateSigningKey, TenantLimits, UpdateKey
 from services.auth.settings import AuthSettings
 from services.router.app import create_app as create_router_app
 from services.router.openapi import router_api
 from services.router.protocol import ChatCompletionBody, ChatMessage, CompletionBody, StreamOptions
 from services.router.settings import RouterSettings
-from tollgate.keys.records import KeyRecord, SigningKey
+from tollgate.keys.records import KeyRecord, SigningKey, TenantRecord
 from tollgate.models.catalog import load_catalog
 from tollgate.runtime.openapi import OPENAPI_PATH, build_document, route_drift
 from tollgate.runtime.settings import CommonSettings
@@ -210,7 +210,9 @@ def shape(schemas: Schemas | None, node: dict[str, Any], defs: dict[str, Any]) -
         (CreateKey, "CreateKey", True),
         (UpdateKey, "UpdateKey", True),
         (RotateSigningKey, "RotateSigningKey", True),
+        (TenantLimits, "TenantLimits", True),
         (KeyRecord, "KeyRecord", False),
+        (TenantRecord, "TenantRecord", False),
         (SigningKey, "SigningKey", False),
     ],
 )

@@ -17,7 +17,8 @@ from services.router.errors import InvalidRequest, PermissionDenied, QuotaExceed
 from services.router.limits import ConcurrencyLimited, CounterStore, Limiter, Reservation
 from tests.conftest import SIM_MODEL, SLOW_MODEL, NatsServer, Stack
 from tests.router.test_auth import make_key, wait_status
-from tollgate.keys.records import KeyRecord
+from tollgate.keys.records import KeyRecord, TenantRecord, budget_window
+from tollgate.keys.tenants import tenant_scope
 from tollgate.wire import bus
 from tollgate.wire.contracts import Priority
 from tollgate.wire.subjects import Subjects
@@ -286,7 +287,7 @@ _keys = iter(range(1_000_000))
 
 def concurrent_key(limit: int, **limits: Any) -> KeyRecord:
     key_id = f"conc{next(_keys)}-{time.time_ns()}"
-    return KeyRecord(key_id=key_id, tenant="t", max_concurrent=limit, **limits)
+    return KeyRecord(**{"key_id": key_id, "tenant": "t", "max_concurrent": limit, **limits})
 
 
 async def in_flight(limiter: Limiter, record: KeyRecord) -> int | None:
@@ -321,7 +322,7 @@ async def test_a_third_call_of_a_key_limited_to_two_is_refused_until_one_ends(
     await limiter.settle(held[0], 7)
     assert await in_flight(limiter, record) == 1
     again = await limiter.reserve(record, 10)
-    assert again.concurrency_key == f"conc.{record.key_id}"
+    assert again.concurrency_keys == [f"conc.{record.key_id}"]
     with pytest.raises(ConcurrencyLimited):
         await limiter.reserve(record, 10)
     for reservation in (held[1], again):
@@ -356,7 +357,8 @@ async def test_a_call_is_given_back_once_and_the_counter_never_goes_below_zero(
     limiter, other = limiters
     record = concurrent_key(5)
     first, second = await limiter.reserve(record, 1), await limiter.reserve(record, 1)
-    rebuilt = Reservation(tokens=1, concurrency_key=first.concurrency_key)  # a lost call's copy
+    # a lost call's copy
+    rebuilt = Reservation(tokens=1, concurrency_keys=list(first.concurrency_keys))
     await limiter.settle(first, 1)
     await limiter.settle(first, 1)  # settled twice: given back once
     await limiter.release(first)
@@ -366,7 +368,7 @@ async def test_a_call_is_given_back_once_and_the_counter_never_goes_below_zero(
     # more given back than taken (a counter that expired, or a lost call's copy):
     # the counter stays at zero, on either router, and then counts from there
     await other.settle(rebuilt, 1)
-    await limiter.release(Reservation(concurrency_key=f"conc.{record.key_id}"))
+    await limiter.release(Reservation(concurrency_keys=[f"conc.{record.key_id}"]))
     assert await in_flight(limiter, record) == 0
     held = [await other.reserve(record, 1) for _ in range(5)]
     with pytest.raises(ConcurrencyLimited):
@@ -434,3 +436,101 @@ async def test_a_call_longer_than_the_buckets_memory_keeps_its_place(js: Any) ->
         await renewing.close()
         await forgetful.close()
         await js.delete_key_value(name)
+
+
+# -- tenant-wide limits ---------------------------------------------------------
+
+
+async def counter(store: CounterStore, name: str) -> int:
+    try:
+        entry = await store.kv.get(name)
+    except KeyNotFoundError:
+        return 0
+    return int(entry.value or b"0")
+
+
+async def test_a_tenants_calls_in_flight_hold_over_its_keys_and_two_routers(
+    limiters: tuple[Limiter, Limiter],
+) -> None:
+    tenant = TenantRecord(tenant=f"acme/{time.time_ns()}", max_concurrent=3)
+    keys = [concurrent_key(10, tenant=tenant.tenant) for _ in range(3)]
+    results = await asyncio.gather(
+        *(limiters[i % 2].reserve(keys[i % 3], 1, tenant) for i in range(9)),
+        return_exceptions=True,
+    )
+    held = [(i, r) for i, r in enumerate(results) if isinstance(r, Reservation)]
+    refused = [r for r in results if isinstance(r, ConcurrencyLimited)]
+    assert len(held) == 3 and len(refused) == 6, results
+    assert "tenant" in str(refused[0])
+    scope = f"conc.{tenant_scope(tenant.tenant)}"
+    assert all(scope in r.concurrency_keys for _, r in held)
+    assert await counter(limiters[0].rates, scope) == 3
+    # every refused call gave back the key's unit it had taken
+    assert sum([await in_flight(limiters[0], k) or 0 for k in keys]) == 3
+    for i, reservation in held:
+        await limiters[i % 2].settle(reservation, 1)
+    assert await counter(limiters[0].rates, scope) == 0
+    assert sum([await in_flight(limiters[0], k) or 0 for k in keys]) == 0
+
+
+async def test_a_tenant_budget_is_not_overshot_by_concurrent_calls_of_its_keys(
+    limiters: tuple[Limiter, Limiter],
+) -> None:
+    tenant = TenantRecord(
+        tenant=f"budget/{time.time_ns()}", budget_tokens=1000, budget_period="day"
+    )
+    keys = [concurrent_key(100, tenant=tenant.tenant) for _ in range(4)]
+    results = await asyncio.gather(
+        *(limiters[i % 2].reserve(keys[i % 4], 300, tenant) for i in range(12)),
+        return_exceptions=True,
+    )
+    held = [(i, r) for i, r in enumerate(results) if isinstance(r, Reservation)]
+    refused = [r for r in results if isinstance(r, QuotaExceeded)]
+    # three worst cases of 300 fit in 1000; a fourth would pass it
+    assert len(held) == 3 and len(refused) == 9, results
+    assert "tenant" in str(refused[0])
+    name = f"{tenant_scope(tenant.tenant)}.{budget_window('day', time.time())}"
+    assert await counter(limiters[0].budgets, name) == 900
+    for i, reservation in held:  # each used 100: the rest is given back
+        await limiters[i % 2].settle(reservation, 100)
+    assert await counter(limiters[0].budgets, name) == 300
+    more = await limiters[1].reserve(keys[0], 700, tenant)
+    with pytest.raises(QuotaExceeded):
+        await limiters[0].reserve(keys[1], 1, tenant)
+    await limiters[1].settle(more, 0)
+    assert await counter(limiters[0].budgets, name) == 300
+
+
+async def test_a_call_refused_by_its_tenant_gives_back_what_its_key_took(
+    limiters: tuple[Limiter, Limiter],
+) -> None:
+    limiter, _ = limiters
+    tenant = TenantRecord(tenant=f"tight/{time.time_ns()}", tpm=100)
+    key = concurrent_key(5, tenant=tenant.tenant, rpm=50, tpm=10_000)
+    minute = int(time.time() // 60)
+    first = await limiter.reserve(key, 60, tenant)
+    assert first.headers["x-ratelimit-limit-tokens"] == "100"  # the tighter window shows
+    assert first.headers["x-ratelimit-remaining-tokens"] == "40"
+    with pytest.raises(RateLimited) as refused:
+        await limiter.reserve(key, 60, tenant)
+    assert "tenant" in str(refused.value)
+    assert await counter(limiter.rates, f"rpm.{key.key_id}.{minute}") == 1
+    assert await counter(limiter.rates, f"tpm.{key.key_id}.{minute}") == 60
+    assert await in_flight(limiter, key) == 1
+    await limiter.settle(first, 10)
+    assert await counter(limiter.rates, f"tpm.{key.key_id}.{minute}") == 10
+    assert await counter(limiter.rates, f"tpm.{tenant_scope(tenant.tenant)}.{minute}") == 10
+
+
+def test_a_reservation_survives_the_outbox_in_either_format() -> None:
+    held = Reservation(
+        tokens=9,
+        tpm_keys=["tpm.k.1", "tpm.t.acme.1"],
+        budget_keys=["t.acme.total"],
+        concurrency_keys=["conc.k"],
+    )
+    again = Reservation.from_held(held.held())
+    assert again == held and again.budget
+    old = Reservation.from_held({"tokens": 5, "tpm_key": "tpm.k.1", "budget_key": None})
+    assert old.tpm_keys == ["tpm.k.1"] and old.budget_keys == [] and not old.budget
+    assert old.concurrency_keys == []

@@ -142,6 +142,13 @@ def parse_budget(text: str) -> tuple[int, str]:
     return int(amount), period
 
 
+def parse_limit(text: str) -> int:
+    """A whole number from 1 (a rate or a number of calls)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a limit is a whole number from 1: {text!r}")
+    return int(text)
+
+
 def parse_concurrency(text: str) -> int | None:
     """A number of calls at once (``8``), or ``none`` for no limit."""
     if text == "none":
@@ -254,6 +261,89 @@ async def _keys_async(ns: argparse.Namespace) -> int:
 
 def _keys(ns: argparse.Namespace) -> int:
     return asyncio.run(_keys_async(ns))
+
+
+async def _tenants_async(ns: argparse.Namespace) -> int:
+    import orjson
+    from nats.js.errors import KeyNotFoundError
+
+    from tollgate.keys.records import TenantRecord, budget_window
+    from tollgate.keys.tenants import TenantStore, tenant_scope
+    from tollgate.wire import bus
+
+    common = CommonSettings()
+    nc = await connect(common, "tollgate-cli")
+    try:
+        js = nc.jetstream()
+        store = await TenantStore(js, common.topology, actor=f"cli:{getpass.getuser()}").open()
+
+        async def spent(record: TenantRecord) -> str:
+            if record.budget_tokens is None or record.budget_period is None:
+                return "-"
+            spend = await common.topology.bucket(js, common.topology.spend)
+            window = budget_window(record.budget_period, time.time())
+            try:
+                entry = await spend.get(f"{tenant_scope(record.tenant)}.{window}")
+            except KeyNotFoundError:
+                return f"0/{record.budget_tokens}"
+            tokens = int(orjson.loads(entry.value or b"{}").get("tokens", 0))
+            return f"{tokens}/{record.budget_tokens}"
+
+        if ns.action == "list":
+            for r in await store.all():
+                print(
+                    f"{r.tenant:<16} rpm {r.rpm}  tpm {r.tpm}  concurrent {r.max_concurrent}  "
+                    f"budget {r.budget_tokens}/{r.budget_period}  spent {await spent(r)}"
+                    + ("  OVER BUDGET" if r.over_budget else "")
+                )
+            return 0
+        if ns.action == "show":
+            found = await store.get(ns.tenant)
+            if found is None:
+                print(f"error: tenant {ns.tenant!r} has no limits of its own", file=sys.stderr)
+                return 1
+            budget = (
+                "none"
+                if found.budget_tokens is None
+                else f"{found.budget_tokens}/{found.budget_period}"
+            )
+            lines = {
+                "tenant": found.tenant,
+                "rpm": found.rpm or "none",
+                "tpm": found.tpm or "none",
+                "max concurrent": found.max_concurrent or "none",
+                "budget": budget,
+                "spent this period": await spent(found),
+                "over budget": "yes" if found.over_budget else "no",
+            }
+            print("\n".join(f"{name:<18} {value}" for name, value in lines.items()))
+            return 0
+        if ns.action == "clear":
+            if await store.clear(ns.tenant) is None:
+                print(f"error: tenant {ns.tenant!r} has no limits of its own", file=sys.stderr)
+                return 1
+            print(f"cleared the limits of tenant {ns.tenant}")
+            return 0
+        limits: dict[str, Any] = {
+            "rpm": ns.rpm,
+            "tpm": ns.tpm,
+            "max_concurrent": ns.max_concurrent,
+        }
+        if ns.budget_tokens:
+            limits["budget_tokens"], limits["budget_period"] = ns.budget_tokens
+        record = await store.set_limits(ns.tenant, limits)
+        print(
+            f"set tenant {record.tenant}: rpm {record.rpm}  tpm {record.tpm}  "
+            f"concurrent {record.max_concurrent}  budget {record.budget_tokens}/"
+            f"{record.budget_period}"
+        )
+        return 0
+    finally:
+        await bus.close(nc)
+
+
+def _tenants(ns: argparse.Namespace) -> int:
+    return asyncio.run(_tenants_async(ns))
 
 
 def _expiry(record: KeyRecord) -> str:
@@ -624,6 +714,25 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = command(key_actions, "revoke", "revoke a key at once")
     revoke.add_argument("key_id", help="the key's id (from `keys list`)")
     keys.set_defaults(func=_keys)
+    tenants = command(sub, "tenants", "set, show, list and clear tenant-wide limits")
+    tenant_actions = tenants.add_subparsers(dest="action", required=True, metavar="ACTION")
+    tenant_set = command(tenant_actions, "set", "replace a tenant's limits over all its keys")
+    tenant_set.add_argument("tenant", help="the tenant, as its keys name it")
+    tenant_set.add_argument("--rpm", type=parse_limit, help="requests per minute, all keys")
+    tenant_set.add_argument("--tpm", type=parse_limit, help="tokens per minute, all keys")
+    tenant_set.add_argument(
+        "--max-concurrent",
+        type=parse_limit,
+        metavar="N",
+        help="calls in flight at once, all keys, across every router",
+    )
+    tenant_set.add_argument("--budget-tokens", type=parse_budget, help="e.g. 50000000/month")
+    command(tenant_actions, "list", "every tenant with limits of its own, with its spend")
+    tenant_show = command(tenant_actions, "show", "one tenant's limits and spend, a line each")
+    tenant_show.add_argument("tenant", help="the tenant, as its keys name it")
+    tenant_clear = command(tenant_actions, "clear", "remove a tenant's own limits")
+    tenant_clear.add_argument("tenant", help="the tenant, as its keys name it")
+    tenants.set_defaults(func=_tenants)
     usage = command(sub, "usage", "usage and cost, from the metering service")
     usage_actions = usage.add_subparsers(dest="action", required=True, metavar="ACTION")
     report = command(usage_actions, "report", "one tenant's usage and cost")

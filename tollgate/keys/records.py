@@ -31,13 +31,42 @@ def budget_window(period: str, now: float) -> str:
     return time.strftime("%Y%m%d" if period == "day" else "%Y%m", time.gmtime(now))
 
 
+class Limits(BaseModel):
+    """What a key or a tenant may use: rates, calls in flight and a token budget."""
+
+    rpm: int | None = Field(default=None, ge=1, description="Requests per minute, or none.")
+    tpm: int | None = Field(default=None, ge=1, description="Tokens per minute, or none.")
+    budget_tokens: int | None = Field(default=None, ge=1, description="Tokens per period.")
+    budget_period: BudgetPeriod | None = Field(default=None, description="Budget period.")
+    max_concurrent: int | None = Field(
+        default=None,
+        ge=1,
+        description="Calls in flight at once, across every router; none: no limit.",
+    )
+
+    @property
+    def has_budget(self) -> bool:
+        """Whether a token budget applies (an amount and its period)."""
+        return self.budget_tokens is not None and self.budget_period is not None
+
+    @property
+    def limited(self) -> bool:
+        """Whether any limit applies (without one, the shared counters are never touched)."""
+        return (
+            self.max_concurrent is not None
+            or self.rpm is not None
+            or self.tpm is not None
+            or self.has_budget
+        )
+
+
 class KeyState(StrEnum):
     ACTIVE = "active"
     REVOKED = "revoked"
     OVER_BUDGET = "over_budget"
 
 
-class KeyRecord(BaseModel):
+class KeyRecord(Limits):
     """One whitelisted key; the value of ``tg_keys[key_id]``."""
 
     model_config = ConfigDict(extra="ignore")
@@ -49,17 +78,7 @@ class KeyRecord(BaseModel):
     models: list[str] = Field(
         default_factory=lambda: ["*"], description="Model ids or globs the key may use."
     )
-    rpm: int | None = Field(default=None, ge=1, description="Requests per minute, or none.")
-    tpm: int | None = Field(default=None, ge=1, description="Tokens per minute, or none.")
-    budget_tokens: int | None = Field(default=None, ge=1, description="Tokens per period.")
-    budget_period: BudgetPeriod | None = Field(default=None, description="Budget period.")
     expires_at: float | None = Field(default=None, description="Unix expiry; none: never.")
-    max_concurrent: int | None = Field(
-        default=None,
-        ge=1,
-        description="Requests this key may have in flight at once, across every router; none: "
-        "no limit.",
-    )
     weight: float = Field(
         default=1.0,
         gt=0,
@@ -95,23 +114,27 @@ class KeyRecord(BaseModel):
         """Whether any of a model's names (id, aliases) matches the key's models."""
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.models for name in names)
 
-    @property
-    def has_budget(self) -> bool:
-        """Whether a token budget applies (an amount and its period)."""
-        return self.budget_tokens is not None and self.budget_period is not None
-
-    @property
-    def limited(self) -> bool:
-        """Whether any limit applies (unlimited keys skip the shared counters)."""
-        return (
-            self.max_concurrent is not None
-            or self.rpm is not None
-            or self.tpm is not None
-            or self.has_budget
-        )
-
     def usable(self, now: float) -> bool:
         return self.state is KeyState.ACTIVE and (self.expires_at is None or now < self.expires_at)
+
+
+class TenantRecord(Limits):
+    """One tenant's own limits, over all its keys; the value of ``tg_tenants[<tenant>]``.
+
+    A call must fit both its key's limits and its tenant's. A tenant without a
+    record (most of them) has no limits of its own.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["tg.tenant.v1"] = Field(default="tg.tenant.v1", description="Contract type id.")
+    tenant: str = Field(description="The tenant (every key whose token names it as sub).")
+    over_budget: bool = Field(
+        default=False,
+        description="Set by the budget ledger while the period's budget is spent: every "
+        "key of the tenant is refused (429) until a new period or a larger budget.",
+    )
+    updated_at: float = Field(default_factory=time.time, description="Unix time of last change.")
 
 
 class SigningKey(BaseModel):
@@ -138,6 +161,7 @@ class AuditEvent(BaseModel):
     action: str = Field(description="create, update, revoke, over_budget, rotate, retire, ...")
     key_id: str | None = Field(default=None, description="The key changed, if any.")
     kid: str | None = Field(default=None, description="The signing key changed, if any.")
+    tenant: str | None = Field(default=None, description="The tenant whose limits changed, if any.")
     record: dict[str, Any] | None = Field(
         default=None, description="The record after the change (never a token)."
     )

@@ -299,6 +299,11 @@ class Subjects:
         return self.bucket("signing_keys")
 
     @property
+    def tenants_bucket(self) -> str:
+        """Tenant-wide limits: tenant token -> tenant record."""
+        return self.bucket("tenants")
+
+    @property
     def spend_bucket(self) -> str:
         """Tokens spent per key and budget period, counted by the auth ledger."""
         return self.bucket("spend")

@@ -329,12 +329,21 @@ class Topology:
             history=5,
             contract="tg.signing-key.v1",
         )
+        self.tenants = BucketSpec(
+            "tenant-wide limits: tenant -> tenant record",
+            s.tenants_bucket,
+            StorageType.FILE,
+            writers=_roles(R.AUTH, R.ADMIN),
+            readers=_roles(R.ROUTER, R.AUTH, R.ADMIN),
+            history=5,
+            contract="tg.tenant.v1",
+        )
         self.spend = BucketSpec(
-            "tokens spent per key and budget period",
+            "tokens spent per key or tenant and budget period",
             s.spend_bucket,
             StorageType.FILE,
             writers=_roles(R.AUTH),
-            readers=_roles(R.AUTH),
+            readers=_roles(R.AUTH, R.ADMIN),
         )
         self.orphans = BucketSpec(
             "final reports no router took (it had died): request id -> END chunk",
@@ -349,7 +358,7 @@ class Topology:
             max_value_size=64 * 1024,
         )
         self.ratelimits = BucketSpec(
-            "requests and tokens per key and minute (compare-and-set)",
+            "requests and tokens per key or tenant and minute, calls in flight (compare-and-set)",
             s.ratelimit_bucket,
             StorageType.MEMORY,
             writers=_roles(R.ROUTER),
@@ -357,7 +366,7 @@ class Topology:
             ttl_s=120.0,
         )
         self.budgets = BucketSpec(
-            "tokens reserved and used per key and budget period (compare-and-set)",
+            "tokens reserved and used per key or tenant and budget period (compare-and-set)",
             s.budget_bucket,
             StorageType.FILE,
             writers=_roles(R.ROUTER),
@@ -478,6 +487,7 @@ class Topology:
         return (
             self.keys,
             self.signing_keys,
+            self.tenants,
             self.spend,
             self.ratelimits,
             self.budgets,

@@ -1,0 +1,168 @@
+"""Tenant-wide limits on a running stack: set through the admin API, held across two routers,
+the tenant's budget counted by the ledger over all its keys."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from urllib.parse import quote
+
+import httpx
+import pytest
+
+from tests.auth.test_admin import chat
+from tests.conftest import SIM_MODEL, Stack
+from tests.router.test_auth import wait_status
+from tests.router.test_limits import clear_of_minute_edge
+from tollgate.keys.tokens import auth_dir
+
+pytestmark = pytest.mark.usefixtures("sim_workers")
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def admin(stack: Stack) -> httpx.Client:
+    _, base = stack.auth(TOLLGATE_AUTH_REACTIVATE_EVERY_S="0.5")
+    token = (auth_dir(stack.var_dir) / "admin-token").read_text().strip()
+    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+
+
+def new_tenant() -> str:
+    # a name that is not a subject token as it is: the tenant's entry is its escaped form
+    return f"acme corp/{uuid.uuid4().hex[:8]}"
+
+
+def tenant_path(tenant: str) -> str:
+    return f"/admin/tenants/{quote(tenant, safe='')}"
+
+
+def issue(admin: httpx.Client, tenant: str, **limits: object) -> str:
+    created = admin.post("/admin/keys", json={"tenant": tenant, **limits})
+    assert created.status_code == 201, created.text
+    return str(created.json()["key"])
+
+
+async def until(check: object, what: str, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def test_tenant_requests_per_minute_hold_over_two_keys_and_two_routers(
+    admin: httpx.Client, router_url: str, stack: Stack
+) -> None:
+    _, second = stack.router()
+    routers = (router_url, second)
+    tenant = new_tenant()
+    keys = [issue(admin, tenant), issue(admin, tenant)]  # keys without limits of their own
+    for url in routers:
+        for key in keys:
+            await wait_status(url, key, 200)
+    await clear_of_minute_edge()
+    # First with a token limit no call fits: each router refusing for the tenant shows its
+    # mirror has the record. A refused call gives back the request it took.
+    r = admin.put(tenant_path(tenant), json={"rpm": 6, "tpm": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["rpm"] == 6 and r.json()["tenant"] == tenant
+    for url in routers:
+        await until(
+            lambda url=url: chat(url, keys[0]).status_code == 429,
+            "the router never refused for the tenant",
+        )
+        refused = chat(url, keys[1])
+        assert refused.status_code == 429
+        error = refused.json()["error"]
+        assert error["code"] == "rate_limit_exceeded"
+        assert "tenant" in error["message"] and "tokens" in error["message"]
+    r = admin.put(tenant_path(tenant), json={"rpm": 6})
+    assert r.json()["tpm"] is None
+    for url in routers:  # one call through each once its mirror has the new record
+        await until(lambda url=url: chat(url, keys[1]).status_code == 200, "never served again")
+    async with httpx.AsyncClient(timeout=30) as http:
+        responses = await asyncio.gather(
+            *(
+                http.post(
+                    f"{routers[i % 2]}{CHAT}",
+                    json={"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                    headers={"Authorization": f"Bearer {keys[(i // 2) % 2]}"},
+                )
+                for i in range(20)
+            )
+        )
+    ok = [r for r in responses if r.status_code == 200]
+    limited = [r for r in responses if r.status_code == 429]
+    # six a minute for the tenant: two went before the burst, four in it
+    assert len(ok) == 4 and len(limited) == 16, [r.status_code for r in responses]
+    sample = limited[0]
+    assert sample.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "tenant" in sample.json()["error"]["message"]
+    assert sample.headers["x-ratelimit-limit-requests"] == "6"
+    assert sample.headers["x-ratelimit-remaining-requests"] == "0"
+    assert int(sample.headers["Retry-After"]) >= 1
+    # cleared: the keys have no limits again
+    assert admin.delete(tenant_path(tenant)).status_code == 200
+    assert admin.get(tenant_path(tenant)).status_code == 404
+    for url in routers:
+        await until(lambda url=url: chat(url, keys[0]).status_code == 200, "still limited")
+
+
+async def test_a_tenant_budget_counts_every_key_and_refuses_them_all_once_spent(
+    admin: httpx.Client, router_url: str
+) -> None:
+    tenant = new_tenant()
+    keys = [issue(admin, tenant), issue(admin, tenant, rpm=1000)]
+    r = admin.put(tenant_path(tenant), json={"budget_tokens": 10_000, "budget_period": "day"})
+    assert r.status_code == 200 and r.json()["spent_tokens"] == 0
+    for key in keys:
+        await wait_status(router_url, key, 200)
+    billed = 0
+    for i in range(6):
+        r = chat(router_url, keys[i % 2])
+        assert r.status_code == 200, r.text
+        billed += r.json()["usage"]["total_tokens"]
+
+    def spent() -> int | None:
+        value: int | None = admin.get(tenant_path(tenant)).json()["spent_tokens"]
+        return value
+
+    await until(lambda: spent() == billed, f"the ledger did not count {billed} tokens")
+    listed = {t["tenant"]: t for t in admin.get("/admin/tenants").json()["data"]}
+    assert listed[tenant]["spent_tokens"] == billed and not listed[tenant]["over_budget"]
+
+    # The budget lowered below the spend: the ledger marks the tenant, every key is refused.
+    admin.put(tenant_path(tenant), json={"budget_tokens": billed, "budget_period": "day"})
+    await until(lambda: admin.get(tenant_path(tenant)).json()["over_budget"], "not marked")
+    for key in keys:
+        await until(lambda key=key: chat(router_url, key).status_code == 429, "not refused")
+        error = chat(router_url, key).json()["error"]
+        assert error["code"] == "insufficient_quota" and "tenant" in error["message"]
+    # Raised: served again, and what was spent was counted once.
+    admin.put(tenant_path(tenant), json={"budget_tokens": 10 * billed, "budget_period": "day"})
+    await until(lambda: not admin.get(tenant_path(tenant)).json()["over_budget"], "still over")
+    for key in keys:
+        await until(lambda key=key: chat(router_url, key).status_code == 200, "not served")
+    assert spent() is not None and spent() >= billed  # type: ignore[operator]
+
+
+def test_bad_tenant_limits_are_a_clear_400(admin: httpx.Client) -> None:
+    path = tenant_path(new_tenant())
+    for body, where in [
+        ({"rpm": 0}, "rpm"),
+        ({"rpm": "6"}, "rpm"),
+        ({"budget_tokens": 10}, "budget"),
+        ({"budget_period": "week", "budget_tokens": 10}, "budget_period"),
+        ({"weight": 2}, "weight"),
+        ({"rpm": 2**53}, "rpm"),
+    ]:
+        r = admin.put(path, json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert where in r.json()["error"]["message"], r.text
+    assert admin.get(path).status_code == 404  # nothing was written
+    long = tenant_path("x" * 201)
+    assert admin.put(long, json={"rpm": 1}).status_code == 400
+    assert admin.get(long).status_code == 400
+    assert admin.delete(path).status_code == 404
+    assert httpx.get(f"{admin.base_url}/admin/tenants", timeout=10).status_code == 401
