@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from decimal import Decimal
 from typing import Any
 
 from services.auth.protocol import CreateKey, RotateSigningKey, TenantLimits, UpdateKey
-from tollgate.keys.records import KeyRecord, KeyState, SigningKey, TenantRecord, budget_window
+from tollgate.keys.records import (
+    KeyRecord,
+    KeyState,
+    SigningKey,
+    TenantRecord,
+    budget_window,
+    money_entry,
+)
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tenants import TenantStore, tenant_scope
 from tollgate.keys.tokens import SigningKeySet
@@ -31,12 +39,12 @@ class KeyAdmin:
         store: KeyStore,
         signing: SigningKeySet,
         tenants: TenantStore | None = None,
-        spent: Callable[[str, str], Awaitable[int]] | None = None,
+        spent: Callable[[str], Awaitable[int]] | None = None,
     ) -> None:
         self.store = store
         self.signing = signing
         self.tenants = tenants
-        self.spent = spent  # (spend entry's name, window) -> tokens counted by the ledger
+        self.spent = spent  # spend entry -> what the ledger has counted there
 
     async def create(self, spec: CreateKey) -> tuple[str, KeyRecord]:
         limits = spec.model_dump(exclude={"tenant", "name", "models", "ttl_s"})
@@ -97,12 +105,22 @@ class KeyAdmin:
         return self.tenants
 
     async def tenant_view(self, record: TenantRecord) -> dict[str, Any]:
-        """The record with its spend in the current budget period (``spent_tokens``)."""
+        """The record with its spend in the current budget period.
+
+        ``spent_tokens`` with a token budget, ``spent_amount`` (a decimal
+        string in the budget's currency) with a budget in money; else null.
+        """
         view = record.model_dump(mode="json")
-        view["spent_tokens"] = None
-        if record.budget_period is not None and self.spent is not None:
-            window = budget_window(record.budget_period, time.time())
-            view["spent_tokens"] = await self.spent(tenant_scope(record.tenant), window)
+        view["spent_tokens"] = view["spent_amount"] = None
+        if record.budget_period is None or self.spent is None:
+            return view
+        window = budget_window(record.budget_period, time.time())
+        scope = tenant_scope(record.tenant)
+        if record.budget_tokens is not None:
+            view["spent_tokens"] = await self.spent(f"{scope}.{window}")
+        if record.budget_amount is not None:
+            nanos = await self.spent(money_entry(scope, window, record.budget_currency))
+            view["spent_amount"] = str(Decimal(nanos).scaleb(-9).normalize())
         return view
 
     async def tenant(self, tenant: str) -> TenantRecord:

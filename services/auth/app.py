@@ -27,6 +27,7 @@ from tollgate.invoices import InvoiceError, Period, request_invoice
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tenants import TenantStore
 from tollgate.keys.tokens import SigningKeySet, auth_dir
+from tollgate.models.catalog import load_catalog
 from tollgate.runtime.httpserver import BodyTimeout
 from tollgate.runtime.jsonbody import integer_beyond_64_bits, integer_message
 from tollgate.runtime.openapi import add_openapi_route, build_document
@@ -282,11 +283,12 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
             topology,
             settings.reactivate_every_s,
             app[METRICS],
+            load_catalog(common.catalog),
         )
         await ledger.open()
         ledger.store = await ledger.store.open()
         app[LEDGER] = ledger
-        app[ADMIN] = KeyAdmin(store, signing, tenants, ledger.spent)
+        app[ADMIN] = KeyAdmin(store, signing, tenants, ledger.spent_entry)
         broker = ControlBroker(nc, name="auth", graceful_timeout=3)
         ledger.subscribe(broker)
         await broker.start()

@@ -48,9 +48,17 @@ from faststream.nats.message import NatsBatchMessage
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.auth.metrics import AuthMetrics
-from tollgate.keys.records import KeyRecord, KeyState, Limits, TenantRecord, budget_window
+from tollgate.keys.records import (
+    KeyRecord,
+    KeyState,
+    Limits,
+    TenantRecord,
+    budget_window,
+    money_entry,
+)
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tenants import TenantStore, tenant_scope
+from tollgate.models.catalog import Catalog
 from tollgate.wire import control
 from tollgate.wire.contracts import UsageEvent
 from tollgate.wire.permissions import inbox_prefix
@@ -74,8 +82,10 @@ class BudgetLedger:
         topology: Topology,
         reactivate_every_s: float,
         metrics: AuthMetrics | None = None,
+        catalog: Catalog | None = None,
     ):
         self.metrics = metrics
+        self.catalog = catalog  # prices for budgets in money
         self.js = js
         self.store = store
         self.topology = topology
@@ -106,9 +116,14 @@ class BudgetLedger:
         return self.topology.auth_budget.config(max_ack_pending=10_000)
 
     async def spent(self, key_id: str, window: str) -> int:
+        """Tokens a key (or ``t.<tenant>``) has spent in a budget period."""
+        return await self.spent_entry(f"{key_id}.{window}")
+
+    async def spent_entry(self, entry: str) -> int:
+        """What a spend entry has counted (tokens, or billionths of a currency)."""
         with contextlib.suppress(KeyNotFoundError):
-            entry = await self.spend.get(f"{key_id}.{window}")
-            return int(orjson.loads(entry.value or b"{}").get("tokens", 0))
+            found = await self.spend.get(entry)
+            return int(orjson.loads(found.value or b"{}").get("tokens", 0))
         return 0
 
     def subscribe(self, broker: control.ControlBroker) -> None:
@@ -239,20 +254,46 @@ class BudgetLedger:
     async def _spend(
         self, limits: Limits, name: str, event: UsageEvent, seq: int, floor: int
     ) -> bool:
-        """Add the event to the spend entry ``<name>.<window>`` of a key's or tenant's budget.
+        """Add the event to the spend entries of a key's or tenant's budgets (``name``).
 
-        True when that spends the budget of the current period (the event is
-        new, of this period, and the total reaches the budget).
+        Tokens go to ``<name>.<window>``; with a budget in money, their cost at
+        the catalog's price to ``money.<name>.<window>.<currency>`` (billionths).
+        True when that spends a budget of the current period (the event is
+        new, of this period, and a total reaches its budget).
         """
-        if limits.budget_tokens is None or limits.budget_period is None:
+        if limits.budget_period is None:
             return False
-        tokens = event.prompt_tokens + event.completion_tokens
         window = budget_window(limits.budget_period, event.time)
-        total = await self._add(f"{name}.{window}", tokens, seq, floor)
-        current = budget_window(limits.budget_period, time.time())
-        return total is not None and window == current and total >= limits.budget_tokens
+        current = window == budget_window(limits.budget_period, time.time())
+        spent = False
+        if limits.budget_tokens is not None:
+            tokens = event.prompt_tokens + event.completion_tokens
+            total = await self._add(f"{name}.{window}", tokens, seq, floor)
+            spent = total is not None and current and total >= limits.budget_tokens
+        budget = limits.budget_nanos
+        if budget is not None:
+            nanos = self._cost(event, limits.budget_currency)
+            entry = money_entry(name, window, limits.budget_currency)
+            total = await self._add(entry, nanos, seq, floor)
+            spent = spent or (total is not None and current and total >= budget)
+        return spent
 
-    async def _add(self, key: str, tokens: int, seq: int, floor: int) -> int | None:
+    def _cost(self, event: UsageEvent, currency: str) -> int:
+        """The event's cost in billionths of ``currency`` at the catalog's price (0: unpriced).
+
+        Routers refuse a call of a model without a price in the budget's
+        currency, so an unpriced event is one whose price ended mid-call.
+        """
+        price = self.catalog.price_at(event.model, event.time) if self.catalog else None
+        if price is None or price.currency != currency:
+            log.warning(
+                "usage of a model without a price counted as 0 against a money budget",
+                extra={"model": event.model, "currency": currency},
+            )
+            return 0
+        return price.cost_nanos(event.prompt_tokens, event.completion_tokens)
+
+    async def _add(self, key: str, amount: int, seq: int, floor: int) -> int | None:
         """Add once per stream sequence; the new total, or None if already counted.
 
         The entry keeps ``seqs``, the sequences it counted above ``floor``
@@ -272,7 +313,7 @@ class BudgetLedger:
             if seq <= known_floor or seq in counted:
                 return None
             new_floor = max(known_floor, floor)
-            total = int(state.get("tokens", 0)) + tokens
+            total = int(state.get("tokens", 0)) + amount
             seqs = sorted([s for s in counted if s > new_floor] + [seq])
             new = {
                 "tokens": total,
@@ -320,17 +361,29 @@ class BudgetLedger:
         if updated is not None and updated.over_budget is over:
             log.info("tenant budget state changed", extra={"tenant": record.tenant, "over": over})
 
+    async def over_budget(self, limits: Limits, name: str) -> bool:
+        """Whether a budget of a key or tenant (``name``) is spent in the current period."""
+        if limits.budget_period is None:
+            return False
+        window = budget_window(limits.budget_period, time.time())
+        if limits.budget_tokens is not None:
+            if await self.spent(name, window) >= limits.budget_tokens:
+                return True
+        budget = limits.budget_nanos
+        if budget is not None:
+            entry = money_entry(name, window, limits.budget_currency)
+            if await self.spent_entry(entry) >= budget:
+                return True
+        return False
+
     async def reconcile_tenants(self) -> None:
         """Match every tenant's over-budget mark to its spend in the current period."""
         if self.tenants is None:
             return
         for record in await self.tenants.all():
-            if record.budget_tokens is None or record.budget_period is None:
-                await self._set_tenant(record, False)
-                continue
-            window = budget_window(record.budget_period, time.time())
-            spent = await self.spent(tenant_scope(record.tenant), window)
-            await self._set_tenant(record, spent >= record.budget_tokens)
+            await self._set_tenant(
+                record, await self.over_budget(record, tenant_scope(record.tenant))
+            )
 
     async def reconcile(self) -> None:
         """Match every key's state, and every tenant's mark, to its spend in the current period.
@@ -342,12 +395,7 @@ class BudgetLedger:
         for record in await self.store.all():
             if record.state is KeyState.REVOKED:
                 continue
-            if record.budget_tokens is None or record.budget_period is None:
-                await self._set_state(record, KeyState.ACTIVE, "reactivate")
-                continue
-            window = budget_window(record.budget_period, time.time())
-            over = await self.spent(record.key_id, window) >= record.budget_tokens
-            if over:
+            if await self.over_budget(record, record.key_id):
                 await self._set_state(record, KeyState.OVER_BUDGET, "over_budget")
             else:
                 await self._set_state(record, KeyState.ACTIVE, "reactivate")

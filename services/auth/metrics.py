@@ -70,7 +70,7 @@ class KeyCounts:
                 self.states.pop(key_id, None)
             else:
                 self.states[key_id] = record.state
-                if not record.has_budget:
+                if not record.budgeted:
                     self.unbudgeted.add(key_id)
         self._show()
 
@@ -105,7 +105,7 @@ class KeyCounts:
                     if entry is None:  # the bucket's current keys are all in
                         if snapshot is not None:
                             self.states = {k: r.state for k, r in snapshot.items()}
-                            self.unbudgeted = {k for k, r in snapshot.items() if not r.has_budget}
+                            self.unbudgeted = {k for k, r in snapshot.items() if not r.budgeted}
                             snapshot = None
                             self._show()
                             self.synced.set()

@@ -43,7 +43,11 @@ class KeyList(BaseModel):
 class TenantView(TenantRecord):
     spent_tokens: int | None = Field(
         description="Tokens the budget ledger has counted in the current budget period "
-        "(null without a budget)."
+        "(null without a token budget)."
+    )
+    spent_amount: str | None = Field(
+        description="Money the budget ledger has counted in the current budget period, a "
+        "decimal string in budget_currency (null without a budget in money)."
     )
 
 

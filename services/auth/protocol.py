@@ -26,10 +26,20 @@ JsonNumber = BeforeValidator(_a_json_number)
 MAX_LIMIT = 2**53 - 1
 Limit = Annotated[int, Field(ge=1, le=MAX_LIMIT), JsonNumber]
 Weight = Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False), JsonNumber]
+# An amount of money as a decimal string, exact (never a float): above zero, at most
+# twelve digits before the point and nine after ("25", "0.50", "1000000.000000001").
+Money = Annotated[
+    str,
+    Field(
+        pattern=r"^(?=[0-9.]*[1-9])(0|[1-9][0-9]{0,11})(\.[0-9]{1,9})?$",
+        description="A decimal string above zero (at most 9 decimals).",
+    ),
+]
+Currency = Annotated[str, Field(pattern="^[A-Z]{3}$", description="ISO 4217 code.")]
 
 
 class CreateKey(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", regex_engine="python-re")  # Money's look-ahead
 
     tenant: str = Field(min_length=1, max_length=200)
     name: str = ""
@@ -41,6 +51,10 @@ class CreateKey(BaseModel):
     max_concurrent: Limit | None = Field(
         default=None, description="Calls in flight at once, across every router; none when null."
     )
+    budget_amount: Money | None = Field(
+        default=None, description="Money per budget period, at the catalog's prices."
+    )
+    budget_currency: Currency = Field(default="USD", description="The money budget's currency.")
     weight: Weight = Field(
         default=1.0, description="The key's share of a saturated model within its tenant."
     )
@@ -63,7 +77,7 @@ class UpdateKey(BaseModel):
     default of ``None`` only marks it absent).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", regex_engine="python-re")
 
     name: str = None  # type: ignore[assignment]
     models: list[str] = Field(default=None, min_length=1)  # type: ignore[arg-type]
@@ -72,6 +86,8 @@ class UpdateKey(BaseModel):
     budget_tokens: Limit | None = None
     budget_period: BudgetPeriod | None = None
     max_concurrent: Limit | None = None
+    budget_amount: Money | None = None
+    budget_currency: Currency = None  # type: ignore[assignment]
     weight: Weight = None  # type: ignore[assignment]
     priority: Priority = None  # type: ignore[assignment]
     priority_header: StrictBool = None  # type: ignore[assignment]
@@ -82,25 +98,33 @@ class UpdateKey(BaseModel):
 _BUDGET_WHOLE: dict[str, Any] = {
     "allOf": [
         {
-            "if": {
-                "properties": {"budget_tokens": {"type": "integer"}},
-                "required": ["budget_tokens"],
-            },
+            "if": {"properties": {name: {"type": kind}}, "required": [name]},
             "then": {
                 "properties": {"budget_period": {"type": "string"}},
                 "required": ["budget_period"],
             },
-        },
+        }
+        for name, kind in [("budget_tokens", "integer"), ("budget_amount", "string")]
+    ]
+    + [
         {
             "if": {
                 "properties": {"budget_period": {"type": "string"}},
                 "required": ["budget_period"],
             },
             "then": {
-                "properties": {"budget_tokens": {"type": "integer"}},
-                "required": ["budget_tokens"],
+                "anyOf": [
+                    {
+                        "properties": {"budget_tokens": {"type": "integer"}},
+                        "required": ["budget_tokens"],
+                    },
+                    {
+                        "properties": {"budget_amount": {"type": "string"}},
+                        "required": ["budget_amount"],
+                    },
+                ]
             },
-        },
+        }
     ]
 }
 
@@ -108,7 +132,9 @@ _BUDGET_WHOLE: dict[str, Any] = {
 class TenantLimits(BaseModel):
     """A tenant's limits over all its keys; ``PUT`` replaces them (absent or null: none)."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_BUDGET_WHOLE)
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra=_BUDGET_WHOLE, regex_engine="python-re"
+    )
 
     rpm: Limit | None = Field(default=None, description="Requests per minute, all keys together.")
     tpm: Limit | None = Field(default=None, description="Tokens per minute, all keys together.")
@@ -116,14 +142,23 @@ class TenantLimits(BaseModel):
         default=None, description="Calls in flight at once, all keys, every router."
     )
     budget_tokens: Limit | None = Field(default=None, description="Tokens per budget period.")
+    budget_amount: Money | None = Field(
+        default=None, description="Money per budget period, at the catalog's prices."
+    )
+    budget_currency: Currency = Field(default="USD", description="The money budget's currency.")
     budget_period: BudgetPeriod | None = Field(
-        default=None, description="`day`, `month` (UTC) or `total`; needed with budget_tokens."
+        default=None,
+        description="`day`, `month` (UTC) or `total`: the period of both budgets; needed with "
+        "either.",
     )
 
     @model_validator(mode="after")
     def _budget_whole(self) -> TenantLimits:
-        if (self.budget_tokens is None) != (self.budget_period is None):
-            raise ValueError("budget_tokens and budget_period are set together")
+        amounts = self.budget_tokens is not None or self.budget_amount is not None
+        if amounts != (self.budget_period is not None):
+            raise ValueError(
+                "a budget is budget_tokens or budget_amount (or both) and its budget_period"
+            )
         return self
 
 

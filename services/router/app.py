@@ -110,8 +110,8 @@ def create_app(
         await usage.start()
         limiter = await Limiter.open(js, topology)
 
-        async def settle_lost(held: dict[str, Any], tokens: int) -> None:
-            await limiter.settle(Reservation.from_held(held), tokens)
+        async def settle_lost(held: dict[str, Any], tokens: int, prompt_tokens: int) -> None:
+            await limiter.settle(Reservation.from_held(held), tokens, prompt_tokens)
 
         # calls an earlier run on this outbox accepted and never finished (it was killed)
         lost = LostCalls(

@@ -78,6 +78,13 @@ class Principal:
             self.tenant_record is not None and self.tenant_record.limited
         )
 
+    @property
+    def priced(self) -> bool:
+        """Whether a budget in money (the key's or the tenant's) prices its calls."""
+        return self.record.has_money_budget or (
+            self.tenant_record is not None and self.tenant_record.has_money_budget
+        )
+
 
 PRIORITY_HEADER = "X-Tollgate-Priority"
 
@@ -388,15 +395,15 @@ class KeyMirror:
             raise self._incorrect()
         if record.state is KeyState.OVER_BUDGET:
             raise QuotaExceeded(
-                "You exceeded your current quota: this key's token budget is spent "
+                "You exceeded your current quota: this key's budget is spent "
                 f"for this {record.budget_period or 'period'}."
             )
         if not record.usable(time.time()):
             raise self._incorrect()
         tenant = self.tenants.get(record.tenant)
-        if tenant is not None and tenant.over_budget and tenant.has_budget:
+        if tenant is not None and tenant.over_budget and tenant.budget_period is not None:
             raise QuotaExceeded(
-                "You exceeded your current quota: the token budget of this key's tenant "
+                "You exceeded your current quota: the budget of this key's tenant "
                 f"(all its keys together) is spent for this {tenant.budget_period}."
             )
         return Principal(record.key_id, record.tenant, record, tenant)

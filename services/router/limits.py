@@ -55,9 +55,10 @@ from nats.js.errors import (
     NotFoundError,
 )
 
-from services.router.errors import QuotaExceeded, RateLimited
-from tollgate.keys.records import KeyRecord, Limits, TenantRecord, budget_window
+from services.router.errors import PermissionDenied, QuotaExceeded, RateLimited
+from tollgate.keys.records import KeyRecord, Limits, TenantRecord, budget_window, money_entry
 from tollgate.keys.tenants import tenant_scope
+from tollgate.models.catalog import Price
 from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.limits")
@@ -75,12 +76,17 @@ class Reservation:
     tpm_keys: list[str] = field(default_factory=list)
     budget_keys: list[str] = field(default_factory=list)
     concurrency_keys: list[str] = field(default_factory=list)  # emptied once given back
+    # a budget in money: what is reserved (billionths of the price's currency), where
+    # and at what price the call is settled
+    nanos: int = 0
+    money_keys: list[str] = field(default_factory=list)
+    price: Price | None = None
     headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def budget(self) -> bool:
-        """Whether a token budget (the key's or the tenant's) holds part of it."""
-        return bool(self.budget_keys)
+        """Whether a budget (tokens or money, the key's or the tenant's) holds part of it."""
+        return bool(self.budget_keys or self.money_keys)
 
     def held(self) -> dict[str, Any]:
         """What the outbox keeps, to settle the call should this router die."""
@@ -89,6 +95,9 @@ class Reservation:
             "tpm_keys": self.tpm_keys,
             "budget_keys": self.budget_keys,
             "concurrency_keys": self.concurrency_keys,
+            "nanos": self.nanos,
+            "money_keys": self.money_keys,
+            "price": None if self.price is None else self.price.model_dump(mode="json"),
         }
 
     @classmethod
@@ -100,11 +109,15 @@ class Reservation:
                 return [str(name) for name in held[plural] or []]
             return [str(held[single])] if held.get(single) else []
 
+        price = held.get("price")
         return cls(
             tokens=int(held.get("tokens") or 0),
             tpm_keys=names("tpm_keys", "tpm_key"),
             budget_keys=names("budget_keys", "budget_key"),
             concurrency_keys=names("concurrency_keys", "concurrency_key"),
+            nanos=int(held.get("nanos") or 0),
+            money_keys=names("money_keys", "money_key"),
+            price=None if price is None else Price.model_validate(price),
         )
 
 
@@ -132,6 +145,23 @@ class Scope:
     def budget_counter(self, window: str) -> str:
         """``<key id>.<window>`` (as ever) or ``t.<tenant>.<window>``."""
         return f"{self.ident}.{window}"
+
+    def money_counter(self, window: str, currency: str) -> str:
+        """``money.<key id or t.<tenant>>.<window>.<currency>``: billionths spent."""
+        return money_entry(self.ident, window, currency)
+
+
+class UnpricedModel(PermissionDenied):
+    """A key or tenant with a budget in money calls a model the catalog has no price for."""
+
+    code = "model_not_priced"
+
+    def __init__(self, model: str, who: str, currency: str) -> None:
+        whose = "This key has" if who == "key" else "This key's tenant has"
+        super().__init__(
+            f"{whose} a budget in {currency}, and `{model}` has no price in {currency} "
+            "for today: it cannot be used with this key. Ask the provider to price it."
+        )
 
 
 class ConcurrencyLimited(RateLimited):
@@ -250,12 +280,20 @@ class Limiter:
         )
 
     async def reserve(
-        self, record: KeyRecord, worst_tokens: int, tenant: TenantRecord | None = None
+        self,
+        record: KeyRecord,
+        worst_tokens: int,
+        tenant: TenantRecord | None = None,
+        price: Price | None = None,
+        model: str = "",
     ) -> Reservation:
         """Take one call in flight, one request and ``worst_tokens`` tokens, or raise a 429.
 
         Each is taken from the key's limits and then from its tenant's
         (``tenant``: the tenant's record, if it has one): a call must fit both.
+        A budget in money reserves what ``worst_tokens`` cost at ``price``
+        (the call's model's price today) at most; without a price in the
+        budget's currency the call is refused (403, :class:`UnpricedModel`).
         Whatever refuses (or fails), every unit already taken is given back.
         """
         if worst_tokens < 0:
@@ -303,6 +341,26 @@ class Limiter:
                             headers=held.headers,
                         )
                     held.budget_keys.append(key)
+            for scope in scopes:
+                limits = scope.limits
+                if limits.budget_nanos is None or limits.budget_period is None:
+                    continue
+                if price is None or price.currency != limits.budget_currency:
+                    raise UnpricedModel(model, scope.who, limits.budget_currency)
+                held.price = price
+                held.nanos = price.worst_nanos(worst_tokens)
+                window = budget_window(limits.budget_period, now)
+                key = scope.money_counter(window, limits.budget_currency)
+                ok, _ = await self.budgets.add(key, held.nanos, limits.budget_nanos)
+                if not ok:
+                    whose = "this key's" if scope.who == "key" else "this key's tenant's"
+                    raise QuotaExceeded(
+                        f"You exceeded your current quota: {whose} budget of "
+                        f"{limits.budget_amount} {limits.budget_currency} for the "
+                        f"{limits.budget_period} cannot cover this request.",
+                        headers=held.headers,
+                    )
+                held.money_keys.append(key)
         except BaseException:
             await self._give_back(held, rpm_keys)
             raise
@@ -352,9 +410,13 @@ class Limiter:
                 headers={**held.headers, "Retry-After": reset},
             )
 
-    async def settle(self, held: Reservation, actual_tokens: int) -> None:
+    async def settle(
+        self, held: Reservation, actual_tokens: int, prompt_tokens: int | None = None
+    ) -> None:
         """Replace the reservation by the real count (never raises).
 
+        ``prompt_tokens`` (of ``actual_tokens``) prices a budget in money
+        exactly; without it, every token is priced at the dearer kind.
         A count below zero cannot come from an engine (the usage contract
         refuses it); should one arrive, it settles as zero, so a ledger is
         never given back more than was reserved.
@@ -364,15 +426,23 @@ class Limiter:
             actual_tokens = 0
         delta = actual_tokens - held.tokens
         await self.release(held)
-        if delta:
-            counters = [(self.rates, key) for key in held.tpm_keys]
-            counters += [(self.budgets, key) for key in held.budget_keys]
-            for store, key in counters:
-                try:
-                    await store.add(key, delta, floor=0)
-                except Exception as exc:
-                    log.error("settling a reservation failed: %s: %s", type(exc).__name__, str(exc))
-                    log.debug("settling a reservation failed", exc_info=True)
+        changes = [(self.rates, key, delta) for key in held.tpm_keys]
+        changes += [(self.budgets, key, delta) for key in held.budget_keys]
+        if held.price is not None and held.money_keys:
+            if prompt_tokens is not None and 0 <= prompt_tokens <= actual_tokens:
+                nanos = held.price.cost_nanos(prompt_tokens, actual_tokens - prompt_tokens)
+            else:
+                nanos = held.price.worst_nanos(actual_tokens)
+            changes += [(self.budgets, key, nanos - held.nanos) for key in held.money_keys]
+            held.nanos = nanos
+        for store, key, change in changes:
+            if not change:
+                continue
+            try:
+                await store.add(key, change, floor=0)
+            except Exception as exc:
+                log.error("settling a reservation failed: %s: %s", type(exc).__name__, str(exc))
+                log.debug("settling a reservation failed", exc_info=True)
         held.tokens = actual_tokens
 
     async def release(self, held: Reservation) -> None:

@@ -224,12 +224,15 @@ class OpenAIServing:
         reservation = None
         if principal is not None and self.limiter is not None and principal.limited:
             try:
+                billed = prepared.target.billed
                 reservation = await self.limiter.reserve(
                     principal.record,
                     worst_case_tokens(
                         prepared.endpoint, prepared.body, prepared.entry.max_model_len
                     ),
                     principal.tenant_record,
+                    self.catalog.price_at(billed, time.time()) if principal.priced else None,
+                    billed,
                 )
             except RateLimited as exc:
                 if "Retry-After" not in exc.headers:  # the key's concurrent requests
@@ -598,7 +601,7 @@ class OpenAIServing:
                 event, prepared.endpoint, prepared.body, call.captured, event.finish_reason
             )
         if call.reservation is not None and self.limiter is not None:
-            await self.limiter.settle(call.reservation, usage.total_tokens)
+            await self.limiter.settle(call.reservation, usage.total_tokens, usage.prompt_tokens)
         log.info(
             "request done",
             extra={

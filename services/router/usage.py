@@ -229,7 +229,8 @@ class LostCalls:
         usage: UsagePublisher,
         records: list[tuple[str, dict[str, Any]]],
         orphans: Callable[[], Awaitable[Any]],
-        settle: Callable[[dict[str, Any], int], Awaitable[None]] | None = None,
+        # (what the call held, its tokens, of which prompt tokens)
+        settle: Callable[[dict[str, Any], int, int], Awaitable[None]] | None = None,
         every_s: float = 2.0,
         grace_s: float = 30.0,
     ) -> None:
@@ -304,7 +305,7 @@ class LostCalls:
         )
         del self.records[request_id]
         if self.settle is not None and record.get("reservation"):
-            await self.settle(record["reservation"], usage.total_tokens)
+            await self.settle(record["reservation"], usage.total_tokens, usage.prompt_tokens)
         log.info(
             "lost call billed",
             extra={

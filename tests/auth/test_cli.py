@@ -186,18 +186,27 @@ def test_tenant_limits_are_set_shown_listed_and_cleared(
         capsys, "set", "acme corp", "--rpm", "600", "--max-concurrent", "8",
         "--budget-tokens", "5000000/month",
     )  # fmt: skip
-    assert "rpm 600" in said and "budget 5000000/month" in said
+    assert "rpm 600" in said and "budget 5000000 tokens per month" in said
     record = tenant_shown(capsys, "acme corp")
     assert record["tenant"] == "acme corp" and record["rpm"] == "600"
     assert record["tpm"] == "none" and record["max concurrent"] == "8"
-    assert record["budget"] == "5000000/month" and record["spent this period"] == "0/5000000"
+    assert record["budget"] == "5000000 tokens per month"
+    assert record["spent this period"] == "0/5000000"
     assert record["over budget"] == "no"
     # set replaces: what it does not name is no limit any more
     tenants(capsys, "set", "acme corp", "--tpm", "20000")
     record = tenant_shown(capsys, "acme corp")
     assert record["rpm"] == "none" and record["tpm"] == "20000" and record["budget"] == "none"
+    tenants(capsys, "set", "acme corp", "--budget-money", "12.5EUR/day", "--budget-tokens", "9/day")
+    record = tenant_shown(capsys, "acme corp")
+    assert record["budget"] == "9 tokens and 12.5 EUR per day"
+    assert record["spent this period"] == "0/9 and 0/12.5EUR"
+    with pytest.raises(SystemExit):  # two periods for one budget
+        main(
+            ["tenants", "set", "acme corp", "--budget-money", "1/day", "--budget-tokens", "9/month"]
+        )
     listing = tenants(capsys, "list")
-    assert listing.startswith("acme corp") and "tpm 20000" in listing
+    assert listing.startswith("acme corp") and "tpm None" in listing and "12.5 EUR" in listing
     assert "cleared" in tenants(capsys, "clear", "acme corp")
     assert "no limits of its own" in tenants(capsys, "show", "acme corp", status=1)
     assert "no limits of its own" in tenants(capsys, "clear", "acme corp", status=1)

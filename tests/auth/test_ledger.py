@@ -12,6 +12,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from decimal import Decimal
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -24,8 +25,9 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from services.auth.ledger import BudgetLedger
 from services.auth.metrics import AuthMetrics
 from tests.conftest import NatsServer
-from tollgate.keys.records import KeyRecord, KeyState, budget_window
+from tollgate.keys.records import KeyRecord, KeyState, budget_window, money_entry
 from tollgate.keys.store import KeyStore
+from tollgate.models.catalog import load_catalog
 from tollgate.wire import bus, codec
 from tollgate.wire.asyncapi import document
 from tollgate.wire.contracts import UsageEvent
@@ -555,5 +557,56 @@ async def test_a_tenants_budget_counts_every_key_once_and_marks_the_tenant(
         await ledger.count(usage("k2", 1, 1), 6)
         await ledger.reconcile()
         assert await ledger.tenants.get("acme") is None
+    finally:
+        await bus.close(nc)
+
+
+async def test_budgets_in_money_count_each_event_at_its_price_and_mark_when_spent(
+    nats_server: NatsServer,
+) -> None:
+    """The packaged catalog prices SmolLM2 at 0.02 and 0.04 USD per million tokens."""
+    catalog = load_catalog()
+    model = "SmolLM2-135M-Instruct"
+    topology = Topology(Subjects(f"money{uuid.uuid4().hex[:6]}"))
+    nc = await nats_server.connect(name="test-money-ledger")
+    js = nc.jetstream()
+    try:
+        await topology.ensure(js, Role.AUTH)
+        store = await KeyStore(js, topology, actor="test").open()
+        # 0.00001 USD = 10,000 billionths
+        key = KeyRecord(
+            key_id="k1", tenant="acme", budget_amount=Decimal("0.00001"), budget_period="month"
+        )
+        await store.keys.put(key.key_id, key.model_dump_json().encode())
+        ledger = BudgetLedger(js, store, topology, 3600, AuthMetrics(), catalog)
+        await ledger.open()
+        assert ledger.tenants is not None
+        await ledger.tenants.set_limits(
+            "acme", {"budget_amount": "0.000005", "budget_period": "day"}
+        )
+        month, day = budget_window("month", time.time()), budget_window("day", time.time())
+
+        def event(prompt: int, completion: int, on: str = model) -> UsageEvent:
+            return usage("k1", prompt, completion).model_copy(update={"model": on})
+
+        await ledger.count(event(100, 25), 1)  # 100 * 20 + 25 * 40 = 3,000
+        await ledger.count(event(100, 25), 1)  # redelivered
+        await ledger.count(event(7, 0, "sim/unpriced"), 2)  # no price: counts nothing
+        assert await ledger.spent_entry(money_entry("k1", month, "USD")) == 3_000
+        assert await ledger.spent_entry(money_entry("t.acme", day, "USD")) == 3_000
+        assert await ledger.spent("k1", month) == 0  # no token budget: no token entry
+        tenant = await ledger.tenants.get("acme")
+        assert tenant is not None and not tenant.over_budget
+        await ledger.count(event(50, 25), 3)  # 2,000: the tenant's 5,000 is spent
+        tenant = await ledger.tenants.get("acme")
+        assert tenant is not None and tenant.over_budget
+        assert (await store.get("k1")).state is KeyState.ACTIVE  # type: ignore[union-attr]
+        await ledger.count(event(0, 125), 4)  # 5,000 more: the key's 10,000 is spent
+        assert (await store.get("k1")).state is KeyState.OVER_BUDGET  # type: ignore[union-attr]
+        # the key's budget raised: the reconcile makes it active again; the tenant stays over
+        await store.update("k1", lambda _: {"budget_amount": Decimal("1")})
+        await ledger.reconcile()
+        assert (await store.get("k1")).state is KeyState.ACTIVE  # type: ignore[union-attr]
+        assert (await ledger.tenants.get("acme")).over_budget  # type: ignore[union-attr]
     finally:
         await bus.close(nc)

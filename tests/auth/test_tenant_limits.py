@@ -1,18 +1,21 @@
-"""Tenant-wide limits on a running stack: set through the admin API, held across two routers,
-the tenant's budget counted by the ledger over all its keys."""
+"""Tenant-wide limits and budgets in money on a running stack: set through the admin API,
+held across two routers, the budgets counted by the ledger over all of a tenant's keys."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
+from decimal import Decimal
 from urllib.parse import quote
 
 import httpx
+import orjson
 import pytest
+from nats.js.errors import KeyNotFoundError
 
 from tests.auth.test_admin import chat
-from tests.conftest import SIM_MODEL, Stack
+from tests.conftest import SIM_ADAPTER, SIM_MODEL, Stack
 from tests.router.test_auth import wait_status
 from tests.router.test_limits import clear_of_minute_edge
 from tollgate.keys.tokens import auth_dir
@@ -23,7 +26,7 @@ CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def admin(stack: Stack) -> httpx.Client:
+def admin(stack: Stack, api_key: str) -> httpx.Client:  # api_key: the stack's bootstrap
     _, base = stack.auth(TOLLGATE_AUTH_REACTIVATE_EVERY_S="0.5")
     token = (auth_dir(stack.var_dir) / "admin-token").read_text().strip()
     return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10)
@@ -156,6 +159,15 @@ def test_bad_tenant_limits_are_a_clear_400(admin: httpx.Client) -> None:
         ({"budget_period": "week", "budget_tokens": 10}, "budget_period"),
         ({"weight": 2}, "weight"),
         ({"rpm": 2**53}, "rpm"),
+        ({"budget_amount": "0", "budget_period": "day"}, "budget_amount"),
+        ({"budget_amount": "0.000", "budget_period": "day"}, "budget_amount"),
+        ({"budget_amount": 1.5, "budget_period": "day"}, "budget_amount"),
+        ({"budget_amount": "1.1234567891", "budget_period": "day"}, "budget_amount"),
+        ({"budget_amount": "-1", "budget_period": "day"}, "budget_amount"),
+        ({"budget_amount": "1e3", "budget_period": "day"}, "budget_amount"),
+        ({"budget_amount": "5"}, "budget"),
+        ({"budget_period": "day"}, "budget"),
+        ({"budget_amount": "5", "budget_currency": "usd", "budget_period": "day"}, "currency"),
     ]:
         r = admin.put(path, json=body)
         assert r.status_code == 400, (body, r.text)
@@ -166,3 +178,62 @@ def test_bad_tenant_limits_are_a_clear_400(admin: httpx.Client) -> None:
     assert admin.get(long).status_code == 400
     assert admin.delete(path).status_code == 404
     assert httpx.get(f"{admin.base_url}/admin/tenants", timeout=10).status_code == 401
+
+
+async def spend_entry(stack: Stack, name: str) -> int:
+    nc = await stack.nats.connect(name="test-spend")
+    try:
+        entry = await (await nc.jetstream().key_value("tg_spend")).get(name)
+        return int(orjson.loads(entry.value or b"{}")["tokens"])
+    except KeyNotFoundError:
+        return 0
+    finally:
+        await nc.close()
+
+
+@pytest.mark.usefixtures("lora_adapter")
+async def test_a_budget_in_money_prices_calls_refuses_unpriced_models_and_counts_exactly(
+    admin: httpx.Client, router_url: str, stack: Stack
+) -> None:
+    """SIM_ADAPTER is priced at 0.5 and 1.5 USD per million tokens; SIM_MODEL has no price."""
+    tenant = new_tenant()
+    created = admin.post(
+        "/admin/keys",
+        json={"tenant": tenant, "budget_amount": "0.001", "budget_period": "day"},
+    )
+    assert created.status_code == 201, created.text
+    assert created.json()["record"]["budget_amount"] == "0.001"
+    token, key_id = created.json()["key"], created.json()["record"]["key_id"]
+    r = admin.put(tenant_path(tenant), json={"budget_amount": "2.5", "budget_period": "month"})
+    assert r.status_code == 200 and r.json()["spent_amount"] == "0"
+    await wait_status(router_url, token, 200)
+
+    unpriced = chat(router_url, token)
+    assert unpriced.status_code == 403, unpriced.text
+    error = unpriced.json()["error"]
+    assert error["code"] == "model_not_priced" and SIM_MODEL in error["message"]
+
+    nanos = 0
+    for _ in range(3):
+        r = chat(router_url, token, model=SIM_ADAPTER)
+        assert r.status_code == 200, r.text
+        used = r.json()["usage"]
+        nanos += used["prompt_tokens"] * 500 + used["completion_tokens"] * 1500
+    day = time.strftime("%Y%m%d", time.gmtime())
+    entry = f"money.{key_id}.{day}.USD"
+    await until_async(lambda: spend_entry(stack, entry), nanos)
+    spent = admin.get(tenant_path(tenant)).json()["spent_amount"]
+    assert Decimal(spent) == Decimal(nanos).scaleb(-9)  # to the billionth
+
+    # the key's budget lowered below what it spent: refused, as a spent budget is
+    admin.patch(f"/admin/keys/{key_id}", json={"budget_amount": str(Decimal(nanos).scaleb(-9))})
+    await until(lambda: chat(router_url, token, model=SIM_ADAPTER).status_code == 429, "served")
+    error = chat(router_url, token, model=SIM_ADAPTER).json()["error"]
+    assert error["code"] == "insufficient_quota"
+
+
+async def until_async(read: object, expected: int, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while (value := await read()) != expected:  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"{value} != {expected}"
+        await asyncio.sleep(0.05)

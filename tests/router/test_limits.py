@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from datetime import date
+from decimal import Decimal
 from typing import Any
 
 import httpx
@@ -14,11 +16,18 @@ from nats.js.errors import KeyNotFoundError
 
 from services.router.auth import request_priority
 from services.router.errors import InvalidRequest, PermissionDenied, QuotaExceeded, RateLimited
-from services.router.limits import ConcurrencyLimited, CounterStore, Limiter, Reservation
+from services.router.limits import (
+    ConcurrencyLimited,
+    CounterStore,
+    Limiter,
+    Reservation,
+    UnpricedModel,
+)
 from tests.conftest import SIM_MODEL, SLOW_MODEL, NatsServer, Stack
 from tests.router.test_auth import make_key, wait_status
-from tollgate.keys.records import KeyRecord, TenantRecord, budget_window
+from tollgate.keys.records import KeyRecord, TenantRecord, budget_window, money_entry
 from tollgate.keys.tenants import tenant_scope
+from tollgate.models.catalog import Price
 from tollgate.wire import bus
 from tollgate.wire.contracts import Priority
 from tollgate.wire.subjects import Subjects
@@ -534,3 +543,56 @@ def test_a_reservation_survives_the_outbox_in_either_format() -> None:
     old = Reservation.from_held({"tokens": 5, "tpm_key": "tpm.k.1", "budget_key": None})
     assert old.tpm_keys == ["tpm.k.1"] and old.budget_keys == [] and not old.budget
     assert old.concurrency_keys == []
+
+
+# -- budgets in money -------------------------------------------------------------
+
+PRICE = Price(
+    valid_from=date(2026, 1, 1), prompt=Decimal("0.5"), completion=Decimal("1.5"), currency="USD"
+)
+
+
+async def test_a_money_budget_is_not_overshot_and_settles_to_the_exact_cost(
+    limiters: tuple[Limiter, Limiter],
+) -> None:
+    # 1,000,000 billionths (0.001 USD); a worst case of 100 tokens at the dearer
+    # kind (1.5 per million) reserves 150,000: six at once fit, a seventh does not
+    key = concurrent_key(100, budget_amount=Decimal("0.001"), budget_period="day")
+    results = await asyncio.gather(
+        *(limiters[i % 2].reserve(key, 100, None, PRICE, "m") for i in range(12)),
+        return_exceptions=True,
+    )
+    held = [(i, r) for i, r in enumerate(results) if isinstance(r, Reservation)]
+    refused = [r for r in results if isinstance(r, QuotaExceeded)]
+    assert len(held) == 6 and len(refused) == 6, results
+    assert "0.001 USD" in str(refused[0])
+    name = money_entry(key.key_id, budget_window("day", time.time()), "USD")
+    assert await counter(limiters[0].budgets, name) == 900_000
+    for i, reservation in held:  # 50 prompt and 10 completion tokens: 25,000 + 15,000
+        await limiters[i % 2].settle(reservation, 60, 50)
+    assert await counter(limiters[0].budgets, name) == 6 * 40_000
+    # a lost call's copy settles with its outbox's price
+    lost = await limiters[0].reserve(key, 100, None, PRICE, "m")
+    await limiters[1].settle(Reservation.from_held(lost.held()), 3, 1)
+    assert await counter(limiters[0].budgets, name) == 6 * 40_000 + 500 + 3_000
+
+
+async def test_a_money_budget_refuses_a_model_without_a_price_in_its_currency(
+    limiters: tuple[Limiter, Limiter],
+) -> None:
+    limiter, _ = limiters
+    key = concurrent_key(5, budget_amount=Decimal("1"), budget_period="month", rpm=10)
+    tenant = TenantRecord(
+        tenant=key.tenant, budget_amount=Decimal("5"), budget_currency="EUR", budget_period="day"
+    )
+    minute = int(time.time() // 60)
+    for price, whose in [(None, "This key has"), (PRICE, "This key's tenant has")]:
+        with pytest.raises(UnpricedModel) as refused:
+            await limiter.reserve(key, 10, tenant if price else None, price, "sim/unpriced")
+        assert refused.value.status == 403 and refused.value.code == "model_not_priced"
+        assert whose in refused.value.message and "`sim/unpriced`" in refused.value.message
+    # nothing stays taken
+    assert await counter(limiter.rates, f"rpm.{key.key_id}.{minute}") == 0
+    assert await in_flight(limiter, key) == 0
+    name = money_entry(key.key_id, budget_window("month", time.time()), "USD")
+    assert await counter(limiter.budgets, name) == 0

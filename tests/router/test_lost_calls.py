@@ -99,10 +99,10 @@ async def test_each_open_call_is_billed_once_from_its_report_or_at_zero(tmp_path
         worker_id="w-1",
     )
     orphans.values["reported"] = codec.encode(report)
-    settled: list[tuple[dict[str, Any], int]] = []
+    settled: list[tuple[dict[str, Any], int, int]] = []
 
-    async def settle(held: dict[str, Any], tokens: int) -> None:
-        settled.append((held, tokens))
+    async def settle(held: dict[str, Any], tokens: int, prompt_tokens: int) -> None:
+        settled.append((held, tokens, prompt_tokens))
 
     publisher = Publisher(outbox)
     records = outbox.opened()
@@ -135,7 +135,7 @@ async def test_each_open_call_is_billed_once_from_its_report_or_at_zero(tmp_path
     # the key held a budget when the call was accepted: the budget ledger counts it too
     assert publisher.budget == {"reported": True, "never-ran": False}
     # the reservation of the reported call is replaced by its real count
-    assert settled == [({"tokens": 500, "tpm_key": "tpm.k1.1", "budget_key": "k1.total"}, 56)]
+    assert settled == [({"tokens": 500, "tpm_key": "tpm.k1.1", "budget_key": "k1.total"}, 56, 31)]
     # billed calls are closed; the one still running stays open for the next round or run
     assert [r for r, _ in outbox.opened()] == ["still-running"]
 

@@ -24,7 +24,7 @@ from tollgate.wire.topology import Role
 
 if TYPE_CHECKING:
     from tollgate.invoices import Invoice
-    from tollgate.keys.records import KeyRecord
+    from tollgate.keys.records import KeyRecord, Limits
 
 # How long a command waits for NATS before it gives up (a service waits for ever).
 CONNECT_TIMEOUT_S = 10.0
@@ -142,6 +142,18 @@ def parse_budget(text: str) -> tuple[int, str]:
     return int(amount), period
 
 
+def parse_money_budget(text: str) -> tuple[str, str, str]:
+    """``25/month``, ``25.50USD/month`` or ``1000EUR/total``: (amount, currency, period)."""
+    import re
+
+    found = re.fullmatch(r"(\d{1,12}(?:\.\d{1,9})?)([A-Z]{3})?/(day|month|total)", text)
+    if found is None or not any(c in "123456789" for c in found[1]):
+        raise argparse.ArgumentTypeError(
+            f"a budget in money must look like 25.00USD/month (above zero): {text!r}"
+        )
+    return found[1], found[2] or "USD", found[3]
+
+
 def parse_limit(text: str) -> int:
     """A whole number from 1 (a rate or a number of calls)."""
     if not text.isdigit() or int(text) < 1:
@@ -187,6 +199,12 @@ def _limits(ns: argparse.Namespace) -> dict[str, Any]:
         limits["models"] = [m.strip() for m in ns.models.split(",") if m.strip()]
     if getattr(ns, "budget_tokens", None):
         limits["budget_tokens"], limits["budget_period"] = ns.budget_tokens
+    if getattr(ns, "budget_money", None):
+        amount, currency, period = ns.budget_money
+        if limits.get("budget_period", period) != period:
+            raise SystemExit("error: --budget-tokens and --budget-money must name one period")
+        limits["budget_amount"], limits["budget_currency"] = amount, currency
+        limits["budget_period"] = period
     if getattr(ns, "capture", None):
         limits["capture"] = ns.capture == "on"
     return limits
@@ -264,10 +282,12 @@ def _keys(ns: argparse.Namespace) -> int:
 
 
 async def _tenants_async(ns: argparse.Namespace) -> int:
+    from decimal import Decimal
+
     import orjson
     from nats.js.errors import KeyNotFoundError
 
-    from tollgate.keys.records import TenantRecord, budget_window
+    from tollgate.keys.records import TenantRecord, budget_window, money_entry
     from tollgate.keys.tenants import TenantStore, tenant_scope
     from tollgate.wire import bus
 
@@ -277,23 +297,34 @@ async def _tenants_async(ns: argparse.Namespace) -> int:
         js = nc.jetstream()
         store = await TenantStore(js, common.topology, actor=f"cli:{getpass.getuser()}").open()
 
-        async def spent(record: TenantRecord) -> str:
-            if record.budget_tokens is None or record.budget_period is None:
-                return "-"
+        async def counted(entry: str) -> int:
             spend = await common.topology.bucket(js, common.topology.spend)
-            window = budget_window(record.budget_period, time.time())
             try:
-                entry = await spend.get(f"{tenant_scope(record.tenant)}.{window}")
+                found = await spend.get(entry)
             except KeyNotFoundError:
-                return f"0/{record.budget_tokens}"
-            tokens = int(orjson.loads(entry.value or b"{}").get("tokens", 0))
-            return f"{tokens}/{record.budget_tokens}"
+                return 0
+            return int(orjson.loads(found.value or b"{}").get("tokens", 0))
+
+        async def spent(record: TenantRecord) -> str:
+            if record.budget_period is None:
+                return "-"
+            window = budget_window(record.budget_period, time.time())
+            scope = tenant_scope(record.tenant)
+            said = []
+            if record.budget_tokens is not None:
+                said.append(f"{await counted(f'{scope}.{window}')}/{record.budget_tokens}")
+            if record.budget_amount is not None:
+                currency = record.budget_currency
+                nanos = await counted(money_entry(scope, window, currency))
+                amount = Decimal(nanos).scaleb(-9).normalize()
+                said.append(f"{amount:f}/{record.budget_amount}{currency}")
+            return " and ".join(said) or "-"
 
         if ns.action == "list":
             for r in await store.all():
                 print(
                     f"{r.tenant:<16} rpm {r.rpm}  tpm {r.tpm}  concurrent {r.max_concurrent}  "
-                    f"budget {r.budget_tokens}/{r.budget_period}  spent {await spent(r)}"
+                    f"budget {_budget(r)}  spent {await spent(r)}"
                     + ("  OVER BUDGET" if r.over_budget else "")
                 )
             return 0
@@ -302,11 +333,7 @@ async def _tenants_async(ns: argparse.Namespace) -> int:
             if found is None:
                 print(f"error: tenant {ns.tenant!r} has no limits of its own", file=sys.stderr)
                 return 1
-            budget = (
-                "none"
-                if found.budget_tokens is None
-                else f"{found.budget_tokens}/{found.budget_period}"
-            )
+            budget = _budget(found)
             lines = {
                 "tenant": found.tenant,
                 "rpm": found.rpm or "none",
@@ -324,22 +351,27 @@ async def _tenants_async(ns: argparse.Namespace) -> int:
                 return 1
             print(f"cleared the limits of tenant {ns.tenant}")
             return 0
-        limits: dict[str, Any] = {
-            "rpm": ns.rpm,
-            "tpm": ns.tpm,
-            "max_concurrent": ns.max_concurrent,
-        }
-        if ns.budget_tokens:
-            limits["budget_tokens"], limits["budget_period"] = ns.budget_tokens
+        limits = _limits(ns)
         record = await store.set_limits(ns.tenant, limits)
         print(
             f"set tenant {record.tenant}: rpm {record.rpm}  tpm {record.tpm}  "
-            f"concurrent {record.max_concurrent}  budget {record.budget_tokens}/"
-            f"{record.budget_period}"
+            f"concurrent {record.max_concurrent}  budget {_budget(record)}"
         )
         return 0
     finally:
         await bus.close(nc)
+
+
+def _budget(record: Limits) -> str:
+    """``1000000 tokens and 25.00 USD per month``, or ``none``."""
+    amounts = []
+    if record.budget_tokens is not None:
+        amounts.append(f"{record.budget_tokens} tokens")
+    if record.budget_amount is not None:
+        amounts.append(f"{record.budget_amount} {record.budget_currency}")
+    if not amounts or record.budget_period is None:
+        return "none"
+    return f"{' and '.join(amounts)} per {record.budget_period}"
 
 
 def _tenants(ns: argparse.Namespace) -> int:
@@ -378,6 +410,9 @@ def _show(record: KeyRecord) -> str:
         "rpm": "none" if record.rpm is None else str(record.rpm),
         "tpm": "none" if record.tpm is None else str(record.tpm),
         "budget": budget,
+        "money budget": "none"
+        if record.budget_amount is None
+        else f"{record.budget_amount}{record.budget_currency}/{record.budget_period}",
         "max concurrent": "none" if record.max_concurrent is None else str(record.max_concurrent),
         "weight": f"{record.weight:g}",
         "priority": str(record.priority),
@@ -680,6 +715,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tpm", type=int, help="tokens per minute")
         p.add_argument("--budget-tokens", type=parse_budget, help="e.g. 1000000/month")
         p.add_argument(
+            "--budget-money",
+            type=parse_money_budget,
+            help="e.g. 25.00USD/month, at the catalog's prices (one period with --budget-tokens)",
+        )
+        p.add_argument(
             "--capture",
             choices=["on", "off"],
             help="keep this key's requests and responses in ClickHouse (exchanges)",
@@ -727,6 +767,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="calls in flight at once, all keys, across every router",
     )
     tenant_set.add_argument("--budget-tokens", type=parse_budget, help="e.g. 50000000/month")
+    tenant_set.add_argument(
+        "--budget-money", type=parse_money_budget, help="e.g. 500USD/month, all keys together"
+    )
     command(tenant_actions, "list", "every tenant with limits of its own, with its spend")
     tenant_show = command(tenant_actions, "show", "one tenant's limits and spend, a line each")
     tenant_show.add_argument("tenant", help="the tenant, as its keys name it")

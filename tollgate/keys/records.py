@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import time
+from decimal import Decimal
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -43,11 +44,39 @@ class Limits(BaseModel):
         ge=1,
         description="Calls in flight at once, across every router; none: no limit.",
     )
+    budget_amount: Decimal | None = Field(
+        default=None,
+        gt=0,
+        max_digits=21,
+        decimal_places=9,
+        description="Money per budget period (the same period as the token budget), in "
+        "budget_currency, at the catalog's prices; none: no money budget.",
+    )
+    budget_currency: str = Field(
+        default="USD", pattern="^[A-Z]{3}$", description="The money budget's currency."
+    )
 
     @property
     def has_budget(self) -> bool:
         """Whether a token budget applies (an amount and its period)."""
         return self.budget_tokens is not None and self.budget_period is not None
+
+    @property
+    def has_money_budget(self) -> bool:
+        """Whether a budget in money applies (an amount and its period)."""
+        return self.budget_amount is not None and self.budget_period is not None
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether any budget applies: the ledger counts the key's (or tenant's) usage."""
+        return self.has_budget or self.has_money_budget
+
+    @property
+    def budget_nanos(self) -> int | None:
+        """The money budget in billionths of its currency (the counters' unit)."""
+        if self.budget_amount is None:
+            return None
+        return int(self.budget_amount * 1_000_000_000)
 
     @property
     def limited(self) -> bool:
@@ -56,8 +85,16 @@ class Limits(BaseModel):
             self.max_concurrent is not None
             or self.rpm is not None
             or self.tpm is not None
-            or self.has_budget
+            or self.budgeted
         )
+
+
+def money_entry(name: str, window: str, currency: str) -> str:
+    """The counter and spend entry of a budget in money: ``money.<name>.<window>.<currency>``.
+
+    ``name`` is a key id or ``t.<tenant>``; the value counts billionths of the currency.
+    """
+    return f"money.{name}.{window}.{currency}"
 
 
 class KeyState(StrEnum):

@@ -23,7 +23,15 @@ from tollgate.keys.records import AuditEvent, TenantRecord
 from tollgate.wire.subjects import model_token
 from tollgate.wire.topology import Role, Topology
 
-LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "budget_tokens", "budget_period")
+LIMIT_FIELDS = (
+    "rpm",
+    "tpm",
+    "max_concurrent",
+    "budget_tokens",
+    "budget_period",
+    "budget_amount",
+    "budget_currency",
+)
 
 
 def tenant_key(tenant: str) -> str:
@@ -123,6 +131,7 @@ class TenantStore:
     async def set_limits(self, tenant: str, limits: dict[str, Any]) -> TenantRecord:
         """Replace the tenant's limits by ``limits`` (a field absent: no such limit)."""
         fields = {name: limits.get(name) for name in LIMIT_FIELDS}
+        fields["budget_currency"] = fields["budget_currency"] or "USD"
         updated = await self.update(tenant, lambda _: fields, "tenant_set")
         assert updated is not None  # created when missing
         return updated

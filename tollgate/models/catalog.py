@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import tomllib
-from datetime import date
-from decimal import Decimal
+from datetime import UTC, date, datetime
+from decimal import ROUND_CEILING, Decimal
 from importlib import resources
 from pathlib import Path
 from typing import Literal, NamedTuple, Protocol
@@ -68,6 +68,27 @@ class Price(BaseModel):
     prompt: Decimal = Field(ge=0, description="Price per million prompt tokens.")
     completion: Decimal = Field(ge=0, description="Price per million completion tokens.")
     currency: str = Field(default="USD", min_length=3, max_length=3)
+
+    def applies(self, day: date) -> bool:
+        return self.valid_from <= day and (self.valid_to is None or day < self.valid_to)
+
+    def cost_nanos(self, prompt_tokens: int, completion_tokens: int) -> int:
+        """What the tokens cost, in billionths of the currency, rounded up.
+
+        Budgets in money count in these units (integers, so they can live in
+        compare-and-set counters); an invoice's exact amount is at most one
+        unit below.
+        """
+        exact = (prompt_tokens * self.prompt + completion_tokens * self.completion) * 1000
+        return int(exact.to_integral_value(rounding=ROUND_CEILING))
+
+    def worst_nanos(self, tokens: int) -> int:
+        """An upper bound of what ``tokens`` cost, whichever kind each turns out to be."""
+        return (
+            self.cost_nanos(tokens, 0)
+            if self.prompt >= self.completion
+            else (self.cost_nanos(0, tokens))
+        )
 
 
 class ScalingPolicy(BaseModel):
@@ -254,6 +275,19 @@ class Catalog(BaseModel):
             return adapter.prices or self.models[adapter.base].prices
         entry = self.models.get(billed)
         return entry.prices if entry is not None else []
+
+    def price_at(self, billed: str, when: float) -> Price | None:
+        """The price a call of ``billed`` at unix time ``when`` is billed at (None: unpriced).
+
+        The latest price whose ``valid_from`` is at or before the day (UTC),
+        as the ``usage_cost`` view applies the ``prices`` table the catalog writes.
+        """
+        day = datetime.fromtimestamp(when, UTC).date()
+        prices = sorted(self.prices_of(billed), key=lambda p: p.valid_from)
+        current = [p for p in prices if p.valid_from <= day]
+        if not current or not current[-1].applies(day):
+            return None
+        return current[-1]
 
     def resolve(self, name: str) -> ModelEntry | None:
         """The entry whose id or alias is ``name``."""
