@@ -38,6 +38,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
+from decimal import Decimal
 from typing import Annotated, Any
 
 import orjson
@@ -59,14 +61,42 @@ from tollgate.keys.records import (
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tenants import TenantStore, tenant_scope
 from tollgate.models.catalog import Catalog
-from tollgate.wire import control
-from tollgate.wire.contracts import UsageEvent
+from tollgate.wire import codec, control
+from tollgate.wire.contracts import SpendAlert, UsageEvent
 from tollgate.wire.permissions import inbox_prefix
 from tollgate.wire.topology import Role, Topology
 
 log = logging.getLogger("tollgate.auth.ledger")
 
 BATCH = 200
+
+
+@dataclass(frozen=True)
+class _Budget:
+    """One budget of a key or tenant: in tokens, or in billionths of a currency."""
+
+    unit: str  # "tokens" or the currency
+    limit: int
+
+    def entry(self, name: str, window: str) -> str:
+        if self.unit == "tokens":
+            return f"{name}.{window}"
+        return money_entry(name, window, self.unit)
+
+    def show(self, amount: int) -> str:
+        """An amount as people read it: tokens, or a decimal in the currency."""
+        if self.unit == "tokens":
+            return str(amount)
+        return f"{Decimal(amount).scaleb(-9).normalize():f}"
+
+
+def _budgets(limits: Limits) -> list[_Budget]:
+    budgets = []
+    if limits.budget_tokens is not None:
+        budgets.append(_Budget("tokens", limits.budget_tokens))
+    if limits.budget_nanos is not None:
+        budgets.append(_Budget(limits.budget_currency, limits.budget_nanos))
+    return budgets
 
 
 # A batch is handed over when full or after this long: how late the ledger may
@@ -86,6 +116,7 @@ class BudgetLedger:
     ):
         self.metrics = metrics
         self.catalog = catalog  # prices for budgets in money
+        self._sent: set[str] = set()  # spend alerts known to be sent (their markers exist)
         self.js = js
         self.store = store
         self.topology = topology
@@ -258,25 +289,87 @@ class BudgetLedger:
 
         Tokens go to ``<name>.<window>``; with a budget in money, their cost at
         the catalog's price to ``money.<name>.<window>.<currency>`` (billionths).
-        True when that spends a budget of the current period (the event is
-        new, of this period, and a total reaches its budget).
+        A total that passes an alert threshold of the current period sends
+        its spend alert. True when that spends a budget of the current period
+        (the event is new, of this period, and a total reaches its budget).
         """
         if limits.budget_period is None:
             return False
         window = budget_window(limits.budget_period, event.time)
         current = window == budget_window(limits.budget_period, time.time())
         spent = False
-        if limits.budget_tokens is not None:
-            tokens = event.prompt_tokens + event.completion_tokens
-            total = await self._add(f"{name}.{window}", tokens, seq, floor)
-            spent = total is not None and current and total >= limits.budget_tokens
-        budget = limits.budget_nanos
-        if budget is not None:
-            nanos = self._cost(event, limits.budget_currency)
-            entry = money_entry(name, window, limits.budget_currency)
-            total = await self._add(entry, nanos, seq, floor)
-            spent = spent or (total is not None and current and total >= budget)
+        for budget in _budgets(limits):
+            amount = (
+                event.prompt_tokens + event.completion_tokens
+                if budget.unit == "tokens"
+                else self._cost(event, budget.unit)
+            )
+            total = await self._add(budget.entry(name, window), amount, seq, floor)
+            if total is None or not current:
+                continue
+            spent = spent or total >= budget.limit
+            await self._alert(limits, name, event.tenant, event.key_id, window, budget, total)
         return spent
+
+    async def _alert(
+        self,
+        limits: Limits,
+        name: str,
+        tenant: str,
+        key_id: str | None,
+        window: str,
+        budget: _Budget,
+        total: int,
+    ) -> None:
+        """Send the spend alert of each threshold ``total`` has reached, once.
+
+        A marker in ``tg_spend`` records each alert sent; the alert goes out
+        before its marker is written, with its id as ``Nats-Msg-Id``, so a
+        ledger stopped between the two sends it again (the next count or
+        reconcile) and the stream drops the copy. A failure is logged and
+        retried at the next reconcile; counting goes on.
+        """
+        assert limits.budget_period is not None
+        scope = "tenant" if name.startswith("t.") else "key"
+        for pct in limits.thresholds:
+            if total * 100 < pct * budget.limit:
+                break
+            alert_id = f"{budget.entry(name, window)}.{budget.limit}.{pct}"
+            if alert_id in self._sent:
+                continue
+            marker = f"alert.{alert_id}"
+            try:
+                with contextlib.suppress(KeyNotFoundError):
+                    await self.spend.get(marker)
+                    self._sent.add(alert_id)
+                    continue
+                alert = SpendAlert(
+                    alert_id=alert_id,
+                    at=time.time(),
+                    scope=scope,
+                    tenant=tenant,
+                    key_id=key_id if scope == "key" else None,
+                    period=limits.budget_period,
+                    window=window,
+                    unit=budget.unit,
+                    threshold_pct=pct,
+                    budget=budget.show(budget.limit),
+                    spent=budget.show(total),
+                )
+                await self.js.publish(
+                    self.topology.subjects.spend_alert(tenant),
+                    codec.encode(alert),
+                    headers={"Nats-Msg-Id": alert_id},
+                )
+                with contextlib.suppress(KeyWrongLastSequenceError):
+                    await self.spend.create(marker, b"1")
+                self._sent.add(alert_id)
+                log.info("spend alert sent", extra={"alert_id": alert_id, "tenant": tenant})
+                if self.metrics is not None:
+                    self.metrics.alerts.labels(scope).inc()
+            except Exception as exc:  # the next reconcile sends it
+                log.warning("spend alert not sent: %s: %s", type(exc).__name__, exc)
+                return
 
     def _cost(self, event: UsageEvent, currency: str) -> int:
         """The event's cost in billionths of ``currency`` at the catalog's price (0: unpriced).
@@ -361,20 +454,20 @@ class BudgetLedger:
         if updated is not None and updated.over_budget is over:
             log.info("tenant budget state changed", extra={"tenant": record.tenant, "over": over})
 
-    async def over_budget(self, limits: Limits, name: str) -> bool:
+    async def over_budget(
+        self, limits: Limits, name: str, tenant: str, key_id: str | None = None
+    ) -> bool:
         """Whether a budget of a key or tenant (``name``) is spent in the current period."""
         if limits.budget_period is None:
             return False
         window = budget_window(limits.budget_period, time.time())
-        if limits.budget_tokens is not None:
-            if await self.spent(name, window) >= limits.budget_tokens:
-                return True
-        budget = limits.budget_nanos
-        if budget is not None:
-            entry = money_entry(name, window, limits.budget_currency)
-            if await self.spent_entry(entry) >= budget:
-                return True
-        return False
+        over = False
+        for budget in _budgets(limits):
+            total = await self.spent_entry(budget.entry(name, window))
+            over = over or total >= budget.limit
+            # an alert a stopped ledger did not send goes now
+            await self._alert(limits, name, tenant, key_id, window, budget, total)
+        return over
 
     async def reconcile_tenants(self) -> None:
         """Match every tenant's over-budget mark to its spend in the current period."""
@@ -382,7 +475,7 @@ class BudgetLedger:
             return
         for record in await self.tenants.all():
             await self._set_tenant(
-                record, await self.over_budget(record, tenant_scope(record.tenant))
+                record, await self.over_budget(record, tenant_scope(record.tenant), record.tenant)
             )
 
     async def reconcile(self) -> None:
@@ -395,7 +488,7 @@ class BudgetLedger:
         for record in await self.store.all():
             if record.state is KeyState.REVOKED:
                 continue
-            if await self.over_budget(record, record.key_id):
+            if await self.over_budget(record, record.key_id, record.tenant, record.key_id):
                 await self._set_state(record, KeyState.OVER_BUDGET, "over_budget")
             else:
                 await self._set_state(record, KeyState.ACTIVE, "reactivate")

@@ -32,6 +32,12 @@ class AuthMetrics:
         self.events = Counter(
             "tollgate_auth_usage_events", "Usage events the budget ledger counted.", registry=r
         )
+        self.alerts = Counter(
+            "tollgate_auth_spend_alerts",
+            "Spend alerts the budget ledger sent (a budget passed a threshold), by whose budget.",
+            ["scope"],
+            registry=r,
+        )
         self.invalid_events = Counter(
             "tollgate_auth_usage_events_invalid",
             "Usage messages the budget ledger skipped: not a valid tg.usage.v1 event "

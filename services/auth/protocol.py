@@ -36,6 +36,14 @@ Money = Annotated[
     ),
 ]
 Currency = Annotated[str, Field(pattern="^[A-Z]{3}$", description="ISO 4217 code.")]
+Thresholds = Annotated[
+    list[Annotated[int, Field(ge=1, le=100), JsonNumber]],
+    Field(
+        max_length=10,
+        description="Percentages of each budget at which a spend alert is sent, once per "
+        "period; null: 80, 95 and 100; []: no alerts.",
+    ),
+]
 
 
 class CreateKey(BaseModel):
@@ -55,6 +63,7 @@ class CreateKey(BaseModel):
         default=None, description="Money per budget period, at the catalog's prices."
     )
     budget_currency: Currency = Field(default="USD", description="The money budget's currency.")
+    alert_thresholds: Thresholds | None = None
     weight: Weight = Field(
         default=1.0, description="The key's share of a saturated model within its tenant."
     )
@@ -88,6 +97,7 @@ class UpdateKey(BaseModel):
     max_concurrent: Limit | None = None
     budget_amount: Money | None = None
     budget_currency: Currency = None  # type: ignore[assignment]
+    alert_thresholds: Thresholds | None = None
     weight: Weight = None  # type: ignore[assignment]
     priority: Priority = None  # type: ignore[assignment]
     priority_header: StrictBool = None  # type: ignore[assignment]
@@ -146,6 +156,7 @@ class TenantLimits(BaseModel):
         default=None, description="Money per budget period, at the catalog's prices."
     )
     budget_currency: Currency = Field(default="USD", description="The money budget's currency.")
+    alert_thresholds: Thresholds | None = None
     budget_period: BudgetPeriod | None = Field(
         default=None,
         description="`day`, `month` (UTC) or `total`: the period of both budgets; needed with "

@@ -193,13 +193,16 @@ def test_tenant_limits_are_set_shown_listed_and_cleared(
     assert record["budget"] == "5000000 tokens per month"
     assert record["spent this period"] == "0/5000000"
     assert record["over budget"] == "no"
+    assert record["alerts at"] == "80%, 95%, 100%"  # the default
     # set replaces: what it does not name is no limit any more
     tenants(capsys, "set", "acme corp", "--tpm", "20000")
     record = tenant_shown(capsys, "acme corp")
     assert record["rpm"] == "none" and record["tpm"] == "20000" and record["budget"] == "none"
-    tenants(capsys, "set", "acme corp", "--budget-money", "12.5EUR/day", "--budget-tokens", "9/day")
+    tenants(capsys, "set", "acme corp", "--budget-money", "12.5EUR/day", "--budget-tokens", "9/day",
+            "--alerts", "90,50,90")  # fmt: skip
     record = tenant_shown(capsys, "acme corp")
     assert record["budget"] == "9 tokens and 12.5 EUR per day"
+    assert record["alerts at"] == "50%, 90%"
     assert record["spent this period"] == "0/9 and 0/12.5EUR"
     with pytest.raises(SystemExit):  # two periods for one budget
         main(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from decimal import Decimal
 from types import SimpleNamespace
 from typing import Any, cast
@@ -25,12 +25,13 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from services.auth.ledger import BudgetLedger
 from services.auth.metrics import AuthMetrics
 from tests.conftest import NatsServer
+from tests.lib.streams import read_subject
 from tollgate.keys.records import KeyRecord, KeyState, budget_window, money_entry
 from tollgate.keys.store import KeyStore
 from tollgate.models.catalog import load_catalog
 from tollgate.wire import bus, codec
 from tollgate.wire.asyncapi import document
-from tollgate.wire.contracts import UsageEvent
+from tollgate.wire.contracts import SpendAlert, UsageEvent
 from tollgate.wire.control import ControlBroker
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Role, Topology
@@ -107,13 +108,34 @@ class FakeKeys:
 
 
 class FakeJetStream:
-    """The one JetStream call the ledger makes besides the buckets: its consumer's ack floor."""
+    """What the ledger asks of JetStream besides the buckets: its consumer's ack floor, and
+    publishing spend alerts (kept here)."""
 
     def __init__(self) -> None:
         self.ack_floor = 0
+        self.published: list[tuple[str, bytes]] = []
+
+    async def publish(self, subject: str, body: bytes, headers: Any = None) -> None:
+        self.published.append((subject, body))
 
     async def consumer_info(self, stream: str, durable: str) -> Any:
         return SimpleNamespace(ack_floor=SimpleNamespace(stream_seq=self.ack_floor))
+
+
+AuthBus = tuple[Topology, Any, KeyStore]
+
+
+@pytest.fixture
+async def auth_bus(nats_server: NatsServer) -> AsyncIterator[AuthBus]:
+    """A topology of its own on the real nats-server, its auth streams and buckets, a key store."""
+    topology = Topology(Subjects(f"ledger{uuid.uuid4().hex[:6]}"))
+    nc = await nats_server.connect(name="test-ledger")
+    js = nc.jetstream()
+    try:
+        await topology.ensure(js, Role.AUTH)
+        yield topology, js, await KeyStore(js, topology, actor="test").open()
+    finally:
+        await bus.close(nc)
 
 
 def ack_subject(seq: int, topology: Topology) -> str:
@@ -513,100 +535,144 @@ async def test_two_ledgers_sharing_the_consumer_count_every_event_once(
 
 
 async def test_a_tenants_budget_counts_every_key_once_and_marks_the_tenant(
-    nats_server: NatsServer,
+    auth_bus: AuthBus,
 ) -> None:
-    topology = Topology(Subjects(f"tenant{uuid.uuid4().hex[:6]}"))
-    nc = await nats_server.connect(name="test-tenant-ledger")
-    js = nc.jetstream()
-    try:
-        await topology.ensure(js, Role.AUTH)
-        store = await KeyStore(js, topology, actor="test").open()
-        budgeted = KeyRecord(key_id="k1", tenant="acme", budget_tokens=10**9, budget_period="day")
-        plain = KeyRecord(key_id="k2", tenant="acme")
-        for record in (budgeted, plain):
-            await store.keys.put(record.key_id, record.model_dump_json().encode())
-        metrics = AuthMetrics()
-        metrics.key_counts.unbudgeted.add("k2")  # as the watch shows it: no budget of its own
-        ledger = BudgetLedger(js, store, topology, 3600, metrics)
-        await ledger.open()
-        assert ledger.tenants is not None
-        await ledger.tenants.set_limits("acme", {"budget_tokens": 100, "budget_period": "day"})
-        window = budget_window("day", time.time())
-        for seq, key in enumerate(["k1", "k2", "k2", "k1"], start=1):
-            await ledger.count(usage(key, 10, 10), seq)
-        await ledger.count(usage("k2", 10, 10), 2)  # redelivered: counted once
-        assert await ledger.spent("t.acme", window) == 80
-        assert await ledger.spent("k1", window) == 40  # the key's own budget: its events only
-        tenant = await ledger.tenants.get("acme")
-        assert tenant is not None and not tenant.over_budget
-        await ledger.count(usage("k2", 15, 5), 5)
-        tenant = await ledger.tenants.get("acme")
-        assert tenant is not None and tenant.over_budget
-        # an admin raises the budget: the next reconcile clears the mark
-        await ledger.tenants.set_limits("acme", {"budget_tokens": 1000, "budget_period": "day"})
-        assert (await ledger.tenants.get("acme")).over_budget  # type: ignore[union-attr]
-        await ledger.reconcile()
-        tenant = await ledger.tenants.get("acme")
-        assert tenant is not None and not tenant.over_budget
-        # lowered below the spend: the reconcile marks it again
-        await ledger.tenants.set_limits("acme", {"budget_tokens": 50, "budget_period": "day"})
-        await ledger.reconcile()
-        assert (await ledger.tenants.get("acme")).over_budget  # type: ignore[union-attr]
-        # a tenant whose limits are cleared has no record to mark
-        await ledger.tenants.clear("acme")
-        await ledger.count(usage("k2", 1, 1), 6)
-        await ledger.reconcile()
-        assert await ledger.tenants.get("acme") is None
-    finally:
-        await bus.close(nc)
+    topology, js, store = auth_bus
+    budgeted = KeyRecord(key_id="k1", tenant="acme", budget_tokens=10**9, budget_period="day")
+    plain = KeyRecord(key_id="k2", tenant="acme")
+    for record in (budgeted, plain):
+        await store.keys.put(record.key_id, record.model_dump_json().encode())
+    metrics = AuthMetrics()
+    metrics.key_counts.unbudgeted.add("k2")  # as the watch shows it: no budget of its own
+    ledger = BudgetLedger(js, store, topology, 3600, metrics)
+    await ledger.open()
+    assert ledger.tenants is not None
+    await ledger.tenants.set_limits("acme", {"budget_tokens": 100, "budget_period": "day"})
+    window = budget_window("day", time.time())
+    for seq, key in enumerate(["k1", "k2", "k2", "k1"], start=1):
+        await ledger.count(usage(key, 10, 10), seq)
+    await ledger.count(usage("k2", 10, 10), 2)  # redelivered: counted once
+    assert await ledger.spent("t.acme", window) == 80
+    assert await ledger.spent("k1", window) == 40  # the key's own budget: its events only
+    tenant = await ledger.tenants.get("acme")
+    assert tenant is not None and not tenant.over_budget
+    await ledger.count(usage("k2", 15, 5), 5)
+    tenant = await ledger.tenants.get("acme")
+    assert tenant is not None and tenant.over_budget
+    # an admin raises the budget: the next reconcile clears the mark
+    await ledger.tenants.set_limits("acme", {"budget_tokens": 1000, "budget_period": "day"})
+    assert (await ledger.tenants.get("acme")).over_budget  # type: ignore[union-attr]
+    await ledger.reconcile()
+    tenant = await ledger.tenants.get("acme")
+    assert tenant is not None and not tenant.over_budget
+    # lowered below the spend: the reconcile marks it again
+    await ledger.tenants.set_limits("acme", {"budget_tokens": 50, "budget_period": "day"})
+    await ledger.reconcile()
+    assert (await ledger.tenants.get("acme")).over_budget  # type: ignore[union-attr]
+    # a tenant whose limits are cleared has no record to mark
+    await ledger.tenants.clear("acme")
+    await ledger.count(usage("k2", 1, 1), 6)
+    await ledger.reconcile()
+    assert await ledger.tenants.get("acme") is None
 
 
 async def test_budgets_in_money_count_each_event_at_its_price_and_mark_when_spent(
-    nats_server: NatsServer,
+    auth_bus: AuthBus,
 ) -> None:
     """The packaged catalog prices SmolLM2 at 0.02 and 0.04 USD per million tokens."""
     catalog = load_catalog()
     model = "SmolLM2-135M-Instruct"
-    topology = Topology(Subjects(f"money{uuid.uuid4().hex[:6]}"))
-    nc = await nats_server.connect(name="test-money-ledger")
-    js = nc.jetstream()
-    try:
-        await topology.ensure(js, Role.AUTH)
-        store = await KeyStore(js, topology, actor="test").open()
-        # 0.00001 USD = 10,000 billionths
-        key = KeyRecord(
-            key_id="k1", tenant="acme", budget_amount=Decimal("0.00001"), budget_period="month"
-        )
-        await store.keys.put(key.key_id, key.model_dump_json().encode())
-        ledger = BudgetLedger(js, store, topology, 3600, AuthMetrics(), catalog)
-        await ledger.open()
-        assert ledger.tenants is not None
-        await ledger.tenants.set_limits(
-            "acme", {"budget_amount": "0.000005", "budget_period": "day"}
-        )
-        month, day = budget_window("month", time.time()), budget_window("day", time.time())
+    topology, js, store = auth_bus
+    # 0.00001 USD = 10,000 billionths
+    key = KeyRecord(
+        key_id="k1", tenant="acme", budget_amount=Decimal("0.00001"), budget_period="month"
+    )
+    await store.keys.put(key.key_id, key.model_dump_json().encode())
+    ledger = BudgetLedger(js, store, topology, 3600, AuthMetrics(), catalog)
+    await ledger.open()
+    assert ledger.tenants is not None
+    await ledger.tenants.set_limits("acme", {"budget_amount": "0.000005", "budget_period": "day"})
+    month, day = budget_window("month", time.time()), budget_window("day", time.time())
 
-        def event(prompt: int, completion: int, on: str = model) -> UsageEvent:
-            return usage("k1", prompt, completion).model_copy(update={"model": on})
+    def event(prompt: int, completion: int, on: str = model) -> UsageEvent:
+        return usage("k1", prompt, completion).model_copy(update={"model": on})
 
-        await ledger.count(event(100, 25), 1)  # 100 * 20 + 25 * 40 = 3,000
-        await ledger.count(event(100, 25), 1)  # redelivered
-        await ledger.count(event(7, 0, "sim/unpriced"), 2)  # no price: counts nothing
-        assert await ledger.spent_entry(money_entry("k1", month, "USD")) == 3_000
-        assert await ledger.spent_entry(money_entry("t.acme", day, "USD")) == 3_000
-        assert await ledger.spent("k1", month) == 0  # no token budget: no token entry
-        tenant = await ledger.tenants.get("acme")
-        assert tenant is not None and not tenant.over_budget
-        await ledger.count(event(50, 25), 3)  # 2,000: the tenant's 5,000 is spent
-        tenant = await ledger.tenants.get("acme")
-        assert tenant is not None and tenant.over_budget
-        assert (await store.get("k1")).state is KeyState.ACTIVE  # type: ignore[union-attr]
-        await ledger.count(event(0, 125), 4)  # 5,000 more: the key's 10,000 is spent
-        assert (await store.get("k1")).state is KeyState.OVER_BUDGET  # type: ignore[union-attr]
-        # the key's budget raised: the reconcile makes it active again; the tenant stays over
-        await store.update("k1", lambda _: {"budget_amount": Decimal("1")})
-        await ledger.reconcile()
-        assert (await store.get("k1")).state is KeyState.ACTIVE  # type: ignore[union-attr]
-        assert (await ledger.tenants.get("acme")).over_budget  # type: ignore[union-attr]
-    finally:
-        await bus.close(nc)
+    await ledger.count(event(100, 25), 1)  # 100 * 20 + 25 * 40 = 3,000
+    await ledger.count(event(100, 25), 1)  # redelivered
+    await ledger.count(event(7, 0, "sim/unpriced"), 2)  # no price: counts nothing
+    assert await ledger.spent_entry(money_entry("k1", month, "USD")) == 3_000
+    assert await ledger.spent_entry(money_entry("t.acme", day, "USD")) == 3_000
+    assert await ledger.spent("k1", month) == 0  # no token budget: no token entry
+    tenant = await ledger.tenants.get("acme")
+    assert tenant is not None and not tenant.over_budget
+    await ledger.count(event(50, 25), 3)  # 2,000: the tenant's 5,000 is spent
+    tenant = await ledger.tenants.get("acme")
+    assert tenant is not None and tenant.over_budget
+    tenant_alerts = [a for a in await alerts_on(js, topology) if a.scope == "tenant"]
+    assert [(a.threshold_pct, a.unit, a.budget, a.spent) for a in tenant_alerts] == [
+        (80, "USD", "0.000005", "0.000005"),
+        (95, "USD", "0.000005", "0.000005"),
+        (100, "USD", "0.000005", "0.000005"),
+    ]
+    assert (await store.get("k1")).state is KeyState.ACTIVE  # type: ignore[union-attr]
+    await ledger.count(event(0, 125), 4)  # 5,000 more: the key's 10,000 is spent
+    assert (await store.get("k1")).state is KeyState.OVER_BUDGET  # type: ignore[union-attr]
+    # the key's budget raised: the reconcile makes it active again; the tenant stays over
+    await store.update("k1", lambda _: {"budget_amount": Decimal("1")})
+    await ledger.reconcile()
+    assert (await store.get("k1")).state is KeyState.ACTIVE  # type: ignore[union-attr]
+    assert (await ledger.tenants.get("acme")).over_budget  # type: ignore[union-attr]
+
+
+async def alerts_on(js: Any, topology: Topology) -> list[SpendAlert]:
+    messages = await read_subject(
+        js, topology.subjects.spend_alerts_all, topology.subjects.alerts_stream, timeout=10
+    )
+    return [codec.decode(SpendAlert, m.data) for m in messages]
+
+
+async def test_spend_alerts_go_once_per_threshold_and_period_across_restarts(
+    auth_bus: AuthBus,
+) -> None:
+    topology, js, store = auth_bus
+    key = KeyRecord(key_id="k1", tenant="acme", budget_tokens=100, budget_period="day")
+    await store.keys.put(key.key_id, key.model_dump_json().encode())
+    ledger = BudgetLedger(js, store, topology, 3600, AuthMetrics())
+    await ledger.open()
+    assert ledger.tenants is not None
+    await ledger.tenants.set_limits(
+        "acme", {"budget_tokens": 1000, "budget_period": "day", "alert_thresholds": [8]}
+    )
+    await ledger.count(usage("k1", 50, 0), 1)  # 50%: none for the key; 5% of the tenant's
+    assert await alerts_on(js, topology) == []
+    await ledger.count(usage("k1", 30, 5), 2)  # 85%: 80; the tenant's 8% (85 of 1000)
+    await ledger.count(usage("k1", 30, 5), 2)  # redelivered: nothing more
+    await ledger.count(usage("k1", 20, 0), 3)  # 105%: 95 and 100 at once
+    sent = await alerts_on(js, topology)
+    assert [(a.scope, a.threshold_pct, a.spent) for a in sent] == [
+        ("key", 80, "85"),
+        ("tenant", 8, "85"),
+        ("key", 95, "105"),
+        ("key", 100, "105"),
+    ]
+    first = sent[0]
+    window = budget_window("day", time.time())
+    assert first.key_id == "k1" and first.tenant == "acme" and first.unit == "tokens"
+    assert first.budget == "100" and first.period == "day" and first.window == window
+    assert first.alert_id == f"k1.{window}.100.80"
+    assert sent[1].key_id is None and sent[1].alert_id == f"t.acme.{window}.1000.8"
+
+    # A ledger that stopped after sending the 100% alert and before writing its
+    # marker: a new one sends it again at its reconcile, and the stream drops the copy.
+    await ledger.spend.delete(f"alert.k1.{window}.100.100")
+    again = BudgetLedger(js, store, topology, 3600, AuthMetrics())
+    await again.open()
+    await again.reconcile()
+    await again.count(usage("k1", 1, 0), 4)
+    assert len(await alerts_on(js, topology)) == 4
+    assert (await again.spend.get(f"alert.k1.{window}.100.100")).value == b"1"
+    # A raised budget is a new budget: its thresholds alert again as spend passes them.
+    await store.update("k1", lambda _: {"budget_tokens": 120})
+    await again.count(usage("k1", 0, 1), 5)  # 107 of 120: 80% (96)
+    latest = (await alerts_on(js, topology))[-1]
+    assert (latest.threshold_pct, latest.budget, latest.spent) == (80, "120", "107")

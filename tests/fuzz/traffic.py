@@ -446,6 +446,12 @@ class AdminTraffic:
             case, "POST", "/admin/signing-keys/rotate", self.headers, encode(drawn.body, rng)
         ), self._noop
 
+    @staticmethod
+    def _budget_split(body: dict[str, Any]) -> bool:
+        """A budget (tokens or money) without its period, or a period without a budget."""
+        amounts = body.get("budget_tokens") is not None or body.get("budget_amount") is not None
+        return amounts != (body.get("budget_period") is not None)
+
     def _tenant_call(self) -> tuple[Request, Callable[[Answer], None]]:
         """Set, show or clear a tenant's limits: a tenant of this traffic's own, or a hostile name.
 
@@ -464,9 +470,7 @@ class AdminTraffic:
                 expect: frozenset[int] | None = frozenset({400})
             elif drawn.mutations or not own:
                 expect = None  # a hostile name may be refused, or be a name like any other
-            elif (drawn.body.get("budget_tokens") is None) != (
-                drawn.body.get("budget_period") is None
-            ):
+            elif self._budget_split(drawn.body):
                 expect = frozenset({400})  # a budget is an amount and its period together
             else:
                 expect = frozenset({200})

@@ -154,6 +154,24 @@ def parse_money_budget(text: str) -> tuple[str, str, str]:
     return found[1], found[2] or "USD", found[3]
 
 
+ALERTS_HELP = "spend alerts at these percentages of each budget: 80,95,100 (the default), none"
+
+
+def parse_thresholds(text: str) -> list[int] | None:
+    """``80,95,100`` (percent of each budget), ``none`` (no alerts) or ``default``."""
+    if text == "default":
+        return None
+    if text == "none":
+        return []
+    parts = text.split(",")
+    if not all(p.isdigit() and 1 <= int(p) <= 100 for p in parts) or len(parts) > 10:
+        raise argparse.ArgumentTypeError(
+            f"alerts must be up to 10 percentages from 1 to 100 (80,95,100), none or default: "
+            f"{text!r}"
+        )
+    return sorted({int(p) for p in parts})
+
+
 def parse_limit(text: str) -> int:
     """A whole number from 1 (a rate or a number of calls)."""
     if not text.isdigit() or int(text) < 1:
@@ -205,6 +223,8 @@ def _limits(ns: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("error: --budget-tokens and --budget-money must name one period")
         limits["budget_amount"], limits["budget_currency"] = amount, currency
         limits["budget_period"] = period
+    if getattr(ns, "alerts", False) is not False:
+        limits["alert_thresholds"] = ns.alerts
     if getattr(ns, "capture", None):
         limits["capture"] = ns.capture == "on"
     return limits
@@ -340,6 +360,7 @@ async def _tenants_async(ns: argparse.Namespace) -> int:
                 "tpm": found.tpm or "none",
                 "max concurrent": found.max_concurrent or "none",
                 "budget": budget,
+                "alerts at": _alerts(found),
                 "spent this period": await spent(found),
                 "over budget": "yes" if found.over_budget else "no",
             }
@@ -360,6 +381,11 @@ async def _tenants_async(ns: argparse.Namespace) -> int:
         return 0
     finally:
         await bus.close(nc)
+
+
+def _alerts(record: Limits) -> str:
+    """``80%, 95%, 100%`` of each budget, or ``none``."""
+    return ", ".join(f"{pct}%" for pct in record.thresholds) or "none"
 
 
 def _budget(record: Limits) -> str:
@@ -410,6 +436,7 @@ def _show(record: KeyRecord) -> str:
         "rpm": "none" if record.rpm is None else str(record.rpm),
         "tpm": "none" if record.tpm is None else str(record.tpm),
         "budget": budget,
+        "alerts at": _alerts(record),
         "money budget": "none"
         if record.budget_amount is None
         else f"{record.budget_amount}{record.budget_currency}/{record.budget_period}",
@@ -720,6 +747,9 @@ def build_parser() -> argparse.ArgumentParser:
             help="e.g. 25.00USD/month, at the catalog's prices (one period with --budget-tokens)",
         )
         p.add_argument(
+            "--alerts", type=parse_thresholds, default=False, metavar="PCTS", help=ALERTS_HELP
+        )
+        p.add_argument(
             "--capture",
             choices=["on", "off"],
             help="keep this key's requests and responses in ClickHouse (exchanges)",
@@ -769,6 +799,9 @@ def build_parser() -> argparse.ArgumentParser:
     tenant_set.add_argument("--budget-tokens", type=parse_budget, help="e.g. 50000000/month")
     tenant_set.add_argument(
         "--budget-money", type=parse_money_budget, help="e.g. 500USD/month, all keys together"
+    )
+    tenant_set.add_argument(
+        "--alerts", type=parse_thresholds, default=False, metavar="PCTS", help=ALERTS_HELP
     )
     command(tenant_actions, "list", "every tenant with limits of its own, with its spend")
     tenant_show = command(tenant_actions, "show", "one tenant's limits and spend, a line each")

@@ -15,7 +15,7 @@ from decimal import Decimal
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tollgate.wire.contracts import Priority
 
@@ -23,6 +23,7 @@ Algorithm = Literal["EdDSA", "RS256", "HS256"]
 
 
 BudgetPeriod = Literal["day", "month", "total"]
+DEFAULT_THRESHOLDS = [80, 95, 100]  # percent of a budget: when spend alerts are sent
 
 
 def budget_window(period: str, now: float) -> str:
@@ -55,6 +56,26 @@ class Limits(BaseModel):
     budget_currency: str = Field(
         default="USD", pattern="^[A-Z]{3}$", description="The money budget's currency."
     )
+    alert_thresholds: list[int] | None = Field(
+        default=None,
+        max_length=10,
+        description="Percentages of each budget at which a spend alert is sent, once per "
+        "period; none: 80, 95 and 100; an empty list: no alerts.",
+    )
+
+    @field_validator("alert_thresholds")
+    @classmethod
+    def _thresholds(cls, value: list[int] | None) -> list[int] | None:
+        if value is None:
+            return None
+        if any(not 1 <= pct <= 100 for pct in value):
+            raise ValueError("alert thresholds are percentages from 1 to 100")
+        return sorted(set(value))
+
+    @property
+    def thresholds(self) -> list[int]:
+        """The alert thresholds in force (the defaults when none are set)."""
+        return DEFAULT_THRESHOLDS if self.alert_thresholds is None else self.alert_thresholds
 
     @property
     def has_budget(self) -> bool:

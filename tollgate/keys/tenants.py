@@ -31,6 +31,7 @@ LIMIT_FIELDS = (
     "budget_period",
     "budget_amount",
     "budget_currency",
+    "alert_thresholds",
 )
 
 

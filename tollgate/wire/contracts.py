@@ -495,3 +495,28 @@ class ReplayResult(_Contract):
     exact_match: bool = Field(description="Replayed text equals the captured text.")
     original_repetition: float = Field(description="Repetition score of the captured text.")
     repetition: float = Field(description="Repetition score of the replayed text (0..1).")
+
+
+class SpendAlert(_Contract):
+    """A key's or tenant's spend passed a threshold of its budget for the period.
+
+    Published once per threshold, budget and period (``alert_id`` is its
+    ``Nats-Msg-Id``, and a marker in ``tg_spend`` records it as sent), by the
+    budget ledger that counted the usage that passed it.
+    """
+
+    type: Literal["tg.spend-alert.v1"] = "tg.spend-alert.v1"
+    alert_id: str = Field(
+        description="<key id or t.<tenant>>.<window>.<tokens|CUR>.<budget>.<threshold>: the "
+        "same alert has the same id, however often it is sent."
+    )
+    at: float = Field(description="Unix time it was found.")
+    scope: Literal["key", "tenant"] = Field(description="Whose budget: a key's or a tenant's.")
+    tenant: str
+    key_id: str | None = Field(default=None, description="The key, for a key's budget.")
+    period: Literal["day", "month", "total"]
+    window: str = Field(description="The period it counts in: 20261130, 202611 or total.")
+    unit: str = Field(description="`tokens`, or the money budget's currency (`USD`).")
+    threshold_pct: int = Field(ge=1, le=100, description="The threshold passed, in percent.")
+    budget: str = Field(description="The budget: tokens, or an amount in `unit` (decimal).")
+    spent: str = Field(description="What was spent when it was passed (same unit).")

@@ -284,6 +284,18 @@ class Subjects:
         """Changes to the whitelist and the signing keys (JetStream)."""
         return f"{self.prefix}.audit.keys"
 
+    def spend_alert(self, tenant: str) -> str:
+        """Spend alerts of one tenant's keys and of the tenant (JetStream)."""
+        return f"{self.prefix}.alerts.spend.{model_token(tenant)}"
+
+    @property
+    def spend_alerts_all(self) -> str:
+        return f"{self.prefix}.alerts.spend.*"
+
+    @property
+    def alerts_stream(self) -> str:
+        return f"{self.stream_prefix}_ALERTS"
+
     @property
     def audit_stream(self) -> str:
         return f"{self.stream_prefix}_AUDIT"

@@ -311,6 +311,18 @@ class Topology:
             readers=_roles(R.ADMIN),
             contract="tg.audit.v1",
         )
+        self.alerts = StreamSpec(
+            "spend alerts: a key's or tenant's budget passed a threshold, once each",
+            s.alerts_stream,
+            (s.spend_alerts_all,),
+            StorageType.FILE,
+            writers=_roles(R.AUTH),
+            readers=_roles(R.AUTH, R.ADMIN),
+            max_age_s=90 * 86400.0,
+            duplicate_window_s=DEDUPE_WINDOW_S,
+            contract=c.SpendAlert,
+            pattern=f"{s.prefix}.alerts.spend.<tenant>",
+        )
         self.keys = BucketSpec(
             "the whitelist: key id -> key record",
             s.keys_bucket,
@@ -480,6 +492,7 @@ class Topology:
             self.replay,
             self.scale,
             self.audit,
+            self.alerts,
         )
 
     @property
