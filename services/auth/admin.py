@@ -7,7 +7,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from decimal import Decimal
 from typing import Any
 
-from services.auth.protocol import CreateKey, RotateSigningKey, TenantLimits, UpdateKey
+from services.auth.protocol import (
+    CreateKey,
+    CreateWebhook,
+    RotateSigningKey,
+    TenantLimits,
+    UpdateKey,
+)
 from tollgate.keys.records import (
     KeyRecord,
     KeyState,
@@ -19,6 +25,7 @@ from tollgate.keys.records import (
 from tollgate.keys.store import KeyStore
 from tollgate.keys.tenants import TenantStore, tenant_scope
 from tollgate.keys.tokens import SigningKeySet
+from tollgate.keys.webhooks import WebhookRecord, WebhookStore
 
 
 class NotFoundError(Exception):
@@ -40,7 +47,9 @@ class KeyAdmin:
         signing: SigningKeySet,
         tenants: TenantStore | None = None,
         spent: Callable[[str], Awaitable[int]] | None = None,
+        webhooks: WebhookStore | None = None,
     ) -> None:
+        self.webhooks = webhooks
         self.store = store
         self.signing = signing
         self.tenants = tenants
@@ -139,4 +148,23 @@ class KeyAdmin:
         record = await self._tenant_store().clear(tenant)
         if record is None:
             raise TenantNotFoundError(tenant)
+        return record
+
+    # -- webhook endpoints of spend alerts -------------------------------------
+
+    def _webhook_store(self) -> WebhookStore:
+        if self.webhooks is None:
+            raise RuntimeError("the admin has no webhook store")
+        return self.webhooks
+
+    async def add_webhook(self, spec: CreateWebhook) -> WebhookRecord:
+        return await self._webhook_store().create(spec.url, spec.tenant)
+
+    async def webhook_list(self) -> Sequence[WebhookRecord]:
+        return await self._webhook_store().all()
+
+    async def remove_webhook(self, webhook_id: str) -> WebhookRecord:
+        record = await self._webhook_store().delete(webhook_id)
+        if record is None:
+            raise NotFoundError(webhook_id)
         return record

@@ -20,8 +20,15 @@ from services.auth.admin import KeyAdmin, KeyRevokedError, NotFoundError, Tenant
 from services.auth.ledger import BudgetLedger
 from services.auth.metrics import AuthMetrics
 from services.auth.openapi import admin_api
-from services.auth.protocol import CreateKey, RotateSigningKey, TenantLimits, UpdateKey
+from services.auth.protocol import (
+    CreateKey,
+    CreateWebhook,
+    RotateSigningKey,
+    TenantLimits,
+    UpdateKey,
+)
 from services.auth.settings import AuthSettings, load_admin_token
+from services.auth.webhooks import WebhookDispatcher
 from tollgate.analytics import MeteringUnavailable
 from tollgate.invoices import InvoiceError, Period, request_invoice
 from tollgate.keys.store import KeyStore
@@ -96,7 +103,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except NotFoundError:
-        return _error(404, "No such key.", "not_found")
+        return _error(404, "No such key, signing key or webhook.", "not_found")
     except TenantNotFoundError:
         return _error(404, "This tenant has no limits of its own.", "not_found")
     except UnsupportedEncoding:
@@ -239,6 +246,22 @@ async def clear_tenant(request: web.Request) -> web.Response:
     return _json(record.model_dump(mode="json"))
 
 
+async def add_webhook(request: web.Request) -> web.Response:
+    record = await request.app[ADMIN].add_webhook(await _body(request, CreateWebhook))
+    # the secret is returned once, here; it is never listed
+    return _json(record.model_dump(mode="json"), status=201)
+
+
+async def list_webhooks(request: web.Request) -> web.Response:
+    records = await request.app[ADMIN].webhook_list()
+    return _json({"data": [r.public() for r in records]})
+
+
+async def remove_webhook(request: web.Request) -> web.Response:
+    record = await request.app[ADMIN].remove_webhook(_path_id(request, "webhook_id"))
+    return _json(record.public())
+
+
 async def show_invoice(request: web.Request) -> web.Response:
     """A tenant's invoice for a month, checked against the rollup (the metering service's data)."""
     tenant = _path_tenant(request)
@@ -288,15 +311,19 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
         await ledger.open()
         ledger.store = await ledger.store.open()
         app[LEDGER] = ledger
-        app[ADMIN] = KeyAdmin(store, signing, tenants, ledger.spent_entry)
         broker = ControlBroker(nc, name="auth", graceful_timeout=3)
         ledger.subscribe(broker)
+        dispatcher = WebhookDispatcher(js, topology, settings.webhook_retry_s, app[METRICS])
+        await dispatcher.open()
+        app[ADMIN] = KeyAdmin(store, signing, tenants, ledger.spent_entry, dispatcher.store)
+        dispatcher.subscribe(broker)
         await broker.start()
         task = asyncio.create_task(ledger.run())
         log.info("auth service ready")
         yield
         ledger.stop()
         await broker.stop()  # the batch in hand is counted and acked, for 3 s at most
+        await dispatcher.close()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(task), 3)
         task.cancel()
@@ -315,6 +342,9 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
     app.router.add_get("/admin/tenants/{tenant}", show_tenant)
     app.router.add_put("/admin/tenants/{tenant}", set_tenant)
     app.router.add_delete("/admin/tenants/{tenant}", clear_tenant)
+    app.router.add_post("/admin/webhooks", add_webhook)
+    app.router.add_get("/admin/webhooks", list_webhooks)
+    app.router.add_delete("/admin/webhooks/{webhook_id}", remove_webhook)
     app.router.add_get("/admin/invoices/{tenant}/{month}", show_invoice)
     add_ops_routes(
         app,

@@ -32,6 +32,13 @@ class AuthMetrics:
         self.events = Counter(
             "tollgate_auth_usage_events", "Usage events the budget ledger counted.", registry=r
         )
+        self.webhook_calls = Counter(
+            "tollgate_auth_webhook_calls",
+            "Calls of webhook endpoints with spend alerts, by result (delivered: a 2xx; failed: "
+            "anything else, retried).",
+            ["result"],
+            registry=r,
+        )
         self.alerts = Counter(
             "tollgate_auth_spend_alerts",
             "Spend alerts the budget ledger sent (a budget passed a threshold), by whose budget.",

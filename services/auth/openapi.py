@@ -16,7 +16,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.auth.protocol import CreateKey, RotateSigningKey, TenantLimits, UpdateKey
+from services.auth.protocol import (
+    CreateKey,
+    CreateWebhook,
+    RotateSigningKey,
+    TenantLimits,
+    UpdateKey,
+)
 from tollgate.keys.records import KeyRecord, SigningKey, TenantRecord
 from tollgate.runtime.openapi import (
     I_JSON,
@@ -53,6 +59,24 @@ class TenantView(TenantRecord):
 
 class TenantList(BaseModel):
     data: list[TenantView] = Field(description="Every tenant with limits of its own, by name.")
+
+
+class Webhook(BaseModel):
+    type: Literal["tg.webhook.v1"] = "tg.webhook.v1"
+    webhook_id: str
+    url: str
+    tenant: str | None = Field(description="Only this tenant's alerts; null: every tenant's.")
+    created_at: float
+
+
+class CreatedWebhook(Webhook):
+    secret: str = Field(
+        description="The HMAC-SHA256 key of its signatures: returned once, here, never listed."
+    )
+
+
+class WebhookList(BaseModel):
+    data: list[Webhook] = Field(description="Every endpoint, oldest first (never a secret).")
 
 
 class InvoiceLine(BaseModel):
@@ -112,7 +136,7 @@ UNAUTHORIZED = _error(
     "No admin token, or a wrong one (`invalid_admin_key`).",
     **{"WWW-Authenticate": Header("`Bearer`")},
 )
-NOT_FOUND = _error("No such key or signing key (`not_found`).")
+NOT_FOUND = _error("No such key, signing key or webhook (`not_found`).")
 KEY_ID = PathParameter(
     "key_id",
     "The key's id (its token's `jti`). An id of another shape (not letters, digits, `-`, `_`, "
@@ -120,6 +144,11 @@ KEY_ID = PathParameter(
     {"type": "string", "minLength": 1, "maxLength": 128},
 )
 KID = PathParameter("kid", "The signing key's id (in every token's header).")
+WEBHOOK_ID = PathParameter(
+    "webhook_id",
+    "The endpoint's id (from `GET /admin/webhooks`).",
+    {"type": "string", "minLength": 1, "maxLength": 128},
+)
 TENANT = PathParameter(
     "tenant",
     "The tenant (as its keys name it).",
@@ -277,6 +306,41 @@ def admin_api() -> Api:
             parameters=(TENANT,),
         ),
         Operation(
+            "POST",
+            "/admin/webhooks",
+            "addWebhook",
+            "Add an endpoint for spend alerts (every tenant's, or one tenant's); its signing "
+            "secret is in this response only.",
+            ("alerts",),
+            {
+                201: Answer("The endpoint and its secret.", CreatedWebhook),
+                400: BAD_REQUEST,
+                401: UNAUTHORIZED,
+            },
+            body=CreateWebhook,
+        ),
+        Operation(
+            "GET",
+            "/admin/webhooks",
+            "listWebhooks",
+            "Every endpoint for spend alerts, oldest first (never a secret).",
+            ("alerts",),
+            {200: Answer("The endpoints.", WebhookList), 401: UNAUTHORIZED},
+        ),
+        Operation(
+            "DELETE",
+            "/admin/webhooks/{webhook_id}",
+            "removeWebhook",
+            "Remove an endpoint: it receives no more alerts.",
+            ("alerts",),
+            {
+                200: Answer("The endpoint as it was.", Webhook),
+                401: UNAUTHORIZED,
+                404: NOT_FOUND,
+            },
+            parameters=(WEBHOOK_ID,),
+        ),
+        Operation(
             "GET",
             "/admin/invoices/{tenant}/{month}",
             "showInvoice",
@@ -314,5 +378,5 @@ def admin_api() -> Api:
             }
         },
         operations=operations,
-        tags=("keys", "signing-keys", "tenants", "billing", "operations"),
+        tags=("keys", "signing-keys", "tenants", "alerts", "billing", "operations"),
     )

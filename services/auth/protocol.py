@@ -173,6 +173,22 @@ class TenantLimits(BaseModel):
         return self
 
 
+class CreateWebhook(BaseModel):
+    """An endpoint for spend alerts: every tenant's, or one tenant's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(
+        min_length=8,
+        max_length=2048,
+        pattern=r"^https?://[!-~]",  # ASCII: every regex engine reads it alike
+        description="Where alerts are POSTed: an http or https URL.",
+    )
+    tenant: str | None = Field(
+        default=None, min_length=1, max_length=200, description="Only this tenant's alerts."
+    )
+
+
 class RotateSigningKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -38,6 +38,12 @@ class AuthSettings(BaseSettings, HttpLimits):
     reactivate_every_s: float = Field(
         default=30.0, gt=0, description="How often key states are reconciled with their spend."
     )
+    webhook_retry_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="The first retry of a webhook that did not acknowledge a spend alert "
+        "(doubling to ten minutes).",
+    )
 
 
 def load_admin_token(settings: AuthSettings, auth_folder: Path) -> str:

@@ -216,3 +216,20 @@ def test_tenant_limits_are_set_shown_listed_and_cleared(
     assert tenants(capsys, "list") == ""
     with pytest.raises(SystemExit):
         main(["tenants", "set", "acme corp", "--rpm", "0"])
+
+
+@pytest.mark.usefixtures("cli_env")
+def test_webhooks_are_added_listed_and_removed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["webhooks", "add", "https://billing.example.com/hooks", "--tenant", "acme"]) == 0
+    out = capsys.readouterr()
+    secret, hook_id = out.out.strip(), out.err.split("webhook id: ")[1].split()[0]
+    assert secret.startswith("whsec_")
+    assert main(["webhooks", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert f"{hook_id}  acme" in listing and "https://billing.example.com/hooks" in listing
+    assert secret not in listing
+    assert main(["webhooks", "add", "ftp://example.com"]) == 1
+    assert "http" in capsys.readouterr().err
+    assert main(["webhooks", "rm", hook_id]) == 0
+    assert main(["webhooks", "rm", hook_id]) == 1
+    assert "no webhook" in capsys.readouterr().err

@@ -30,7 +30,13 @@ from pydantic import BaseModel, SecretStr
 
 from services.auth.app import create_app as create_auth_app
 from services.auth.openapi import admin_api
-from services.auth.protocol import CreateKey, RotateSigningKey, TenantLimits, UpdateKey
+from services.auth.protocol import (
+    CreateKey,
+    CreateWebhook,
+    RotateSigningKey,
+    TenantLimits,
+    UpdateKey,
+)
 from services.auth.settings import AuthSettings
 from services.router.app import create_app as create_router_app
 from services.router.openapi import router_api
@@ -211,6 +217,7 @@ def shape(schemas: Schemas | None, node: dict[str, Any], defs: dict[str, Any]) -
         (UpdateKey, "UpdateKey", True),
         (RotateSigningKey, "RotateSigningKey", True),
         (TenantLimits, "TenantLimits", True),
+        (CreateWebhook, "CreateWebhook", True),
         (KeyRecord, "KeyRecord", False),
         (TenantRecord, "TenantRecord", False),
         (SigningKey, "SigningKey", False),

@@ -383,6 +383,40 @@ async def _tenants_async(ns: argparse.Namespace) -> int:
         await bus.close(nc)
 
 
+async def _webhooks_async(ns: argparse.Namespace) -> int:
+    from tollgate.keys.webhooks import WebhookStore
+    from tollgate.wire import bus
+
+    common = CommonSettings()
+    nc = await connect(common, "tollgate-cli")
+    try:
+        store = await WebhookStore(nc.jetstream(), common.topology).open()
+        if ns.action == "add":
+            if not ns.url.startswith(("http://", "https://")):
+                print("error: a webhook URL is http:// or https://", file=sys.stderr)
+                return 1
+            record = await store.create(ns.url, ns.tenant)
+            print(f"webhook id: {record.webhook_id}", file=sys.stderr)
+            print("signing secret on stdout (shown once, store it now)", file=sys.stderr)
+            print(record.secret)
+            return 0
+        if ns.action == "list":
+            for r in await store.all():
+                print(f"{r.webhook_id}  {r.tenant or '(every tenant)':<16} {r.url}")
+            return 0
+        if await store.delete(ns.webhook_id) is None:
+            print(f"error: no webhook {ns.webhook_id!r}", file=sys.stderr)
+            return 1
+        print(f"removed {ns.webhook_id}")
+        return 0
+    finally:
+        await bus.close(nc)
+
+
+def _webhooks(ns: argparse.Namespace) -> int:
+    return asyncio.run(_webhooks_async(ns))
+
+
 def _alerts(record: Limits) -> str:
     """``80%, 95%, 100%`` of each budget, or ``none``."""
     return ", ".join(f"{pct}%" for pct in record.thresholds) or "none"
@@ -809,6 +843,15 @@ def build_parser() -> argparse.ArgumentParser:
     tenant_clear = command(tenant_actions, "clear", "remove a tenant's own limits")
     tenant_clear.add_argument("tenant", help="the tenant, as its keys name it")
     tenants.set_defaults(func=_tenants)
+    webhooks = command(sub, "webhooks", "add, list and remove the endpoints of spend alerts")
+    hook_actions = webhooks.add_subparsers(dest="action", required=True, metavar="ACTION")
+    hook_add = command(hook_actions, "add", "add an endpoint; its signing secret goes to stdout")
+    hook_add.add_argument("url", help="where alerts are POSTed (http or https)")
+    hook_add.add_argument("--tenant", help="only this tenant's alerts (default: every tenant's)")
+    command(hook_actions, "list", "every endpoint, without secrets")
+    hook_rm = command(hook_actions, "rm", "remove an endpoint")
+    hook_rm.add_argument("webhook_id", help="the endpoint's id (from `webhooks list`)")
+    webhooks.set_defaults(func=_webhooks)
     usage = command(sub, "usage", "usage and cost, from the metering service")
     usage_actions = usage.add_subparsers(dest="action", required=True, metavar="ACTION")
     report = command(usage_actions, "report", "one tenant's usage and cost")

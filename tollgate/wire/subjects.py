@@ -316,6 +316,11 @@ class Subjects:
         return self.bucket("tenants")
 
     @property
+    def webhooks_bucket(self) -> str:
+        """Webhook endpoints of spend alerts: id -> endpoint record (its secret included)."""
+        return self.bucket("webhooks")
+
+    @property
     def spend_bucket(self) -> str:
         """Tokens spent per key and budget period, counted by the auth ledger."""
         return self.bucket("spend")

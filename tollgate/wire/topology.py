@@ -350,8 +350,18 @@ class Topology:
             history=5,
             contract="tg.tenant.v1",
         )
+        self.webhooks = BucketSpec(
+            "webhook endpoints of spend alerts: id -> endpoint (its signing secret included)",
+            s.webhooks_bucket,
+            StorageType.FILE,
+            writers=_roles(R.AUTH, R.ADMIN),
+            readers=_roles(R.AUTH, R.ADMIN),
+            history=1,
+            contract="tg.webhook.v1",
+        )
         self.spend = BucketSpec(
-            "tokens spent per key or tenant and budget period",
+            "tokens and money spent per key or tenant and budget period; spend alerts sent "
+            "and delivered",
             s.spend_bucket,
             StorageType.FILE,
             writers=_roles(R.AUTH),
@@ -392,6 +402,13 @@ class Topology:
             s.usage_stream,
             "auth-budget",
             s.usage_budget,
+            R.AUTH,
+        )
+        self.auth_webhooks = ConsumerSpec(
+            "spend alerts to their webhooks",
+            s.alerts_stream,
+            "auth-webhooks",
+            s.spend_alerts_all,
             R.AUTH,
         )
         self.metering_capture = ConsumerSpec(
@@ -501,6 +518,7 @@ class Topology:
             self.keys,
             self.signing_keys,
             self.tenants,
+            self.webhooks,
             self.spend,
             self.ratelimits,
             self.budgets,
@@ -509,7 +527,13 @@ class Topology:
 
     @property
     def consumers(self) -> tuple[ConsumerSpec, ...]:
-        return (self.metering_usage, self.auth_budget, self.metering_capture, self.metering_replay)
+        return (
+            self.metering_usage,
+            self.auth_budget,
+            self.auth_webhooks,
+            self.metering_capture,
+            self.metering_replay,
+        )
 
     def used_by(self, role: Role | None) -> tuple[list[StreamSpec], list[BucketSpec]]:
         """The streams and buckets a role writes or reads (all of them for ``None``).
