@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from decimal import Decimal
 from typing import Any
 
 from services.auth.protocol import (
@@ -19,6 +18,7 @@ from tollgate.keys.records import (
     KeyState,
     SigningKey,
     TenantRecord,
+    amount_text,
     budget_window,
     money_entry,
 )
@@ -129,7 +129,7 @@ class KeyAdmin:
             view["spent_tokens"] = await self.spent(f"{scope}.{window}")
         if record.budget_amount is not None:
             nanos = await self.spent(money_entry(scope, window, record.budget_currency))
-            view["spent_amount"] = str(Decimal(nanos).scaleb(-9).normalize())
+            view["spent_amount"] = amount_text(nanos)
         return view
 
     async def tenant(self, tenant: str) -> TenantRecord:

@@ -39,7 +39,6 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Annotated, Any
 
 import orjson
@@ -55,6 +54,7 @@ from tollgate.keys.records import (
     KeyState,
     Limits,
     TenantRecord,
+    amount_text,
     budget_window,
     money_entry,
 )
@@ -87,7 +87,7 @@ class _Budget:
         """An amount as people read it: tokens, or a decimal in the currency."""
         if self.unit == "tokens":
             return str(amount)
-        return f"{Decimal(amount).scaleb(-9).normalize():f}"
+        return amount_text(amount)
 
 
 def _budgets(limits: Limits) -> list[_Budget]:

@@ -53,7 +53,7 @@ class WebhookDispatcher:
         self.topology = topology
         self.retry_s = retry_s
         self.metrics = metrics
-        self.store = WebhookStore(js, topology, Role.AUTH)
+        self.store = WebhookStore(js, topology)
         self.spend: Any = None
         self.http: aiohttp.ClientSession | None = None
 
@@ -139,7 +139,10 @@ class WebhookDispatcher:
         assert self.http is not None
         started = time.monotonic()
         try:
-            async with self.http.post(endpoint.url, data=body, headers=headers) as response:
+            # a redirect is not followed: the alert goes to the URL the operator set, or fails
+            async with self.http.post(
+                endpoint.url, data=body, headers=headers, allow_redirects=False
+            ) as response:
                 status: int | None = response.status
                 ok = 200 <= response.status < 300
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:

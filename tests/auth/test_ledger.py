@@ -26,7 +26,7 @@ from services.auth.ledger import BudgetLedger
 from services.auth.metrics import AuthMetrics
 from tests.conftest import NatsServer
 from tests.lib.streams import read_subject
-from tollgate.keys.records import KeyRecord, KeyState, budget_window, money_entry
+from tollgate.keys.records import KeyRecord, KeyState, amount_text, budget_window, money_entry
 from tollgate.keys.store import KeyStore
 from tollgate.models.catalog import load_catalog
 from tollgate.wire import bus, codec
@@ -676,3 +676,11 @@ async def test_spend_alerts_go_once_per_threshold_and_period_across_restarts(
     await again.count(usage("k1", 0, 1), 5)  # 107 of 120: 80% (96)
     latest = (await alerts_on(js, topology))[-1]
     assert (latest.threshold_pct, latest.budget, latest.spent) == (80, "120", "107")
+
+
+def test_money_reads_as_a_plain_decimal_whatever_its_size() -> None:
+    assert amount_text(0) == "0"
+    assert amount_text(1) == "0.000000001"
+    assert amount_text(5_000) == "0.000005"
+    assert amount_text(100_000_000_000) == "100"
+    assert amount_text(2_500_000_000) == "2.5"

@@ -302,12 +302,11 @@ def _keys(ns: argparse.Namespace) -> int:
 
 
 async def _tenants_async(ns: argparse.Namespace) -> int:
-    from decimal import Decimal
 
     import orjson
     from nats.js.errors import KeyNotFoundError
 
-    from tollgate.keys.records import TenantRecord, budget_window, money_entry
+    from tollgate.keys.records import TenantRecord, amount_text, budget_window, money_entry
     from tollgate.keys.tenants import TenantStore, tenant_scope
     from tollgate.wire import bus
 
@@ -336,8 +335,7 @@ async def _tenants_async(ns: argparse.Namespace) -> int:
             if record.budget_amount is not None:
                 currency = record.budget_currency
                 nanos = await counted(money_entry(scope, window, currency))
-                amount = Decimal(nanos).scaleb(-9).normalize()
-                said.append(f"{amount:f}/{record.budget_amount}{currency}")
+                said.append(f"{amount_text(nanos)}/{record.budget_amount}{currency}")
             return " and ".join(said) or "-"
 
         if ns.action == "list":

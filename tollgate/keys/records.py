@@ -110,6 +110,12 @@ class Limits(BaseModel):
         )
 
 
+def amount_text(nanos: int) -> str:
+    """Billionths of a currency as a plain decimal string: ``"0.000005"``, ``"100"``, never
+    ``"1E+2"``."""
+    return f"{Decimal(nanos).scaleb(-9).normalize():f}"
+
+
 def money_entry(name: str, window: str, currency: str) -> str:
     """The counter and spend entry of a budget in money: ``money.<name>.<window>.<currency>``.
 

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from nats.js.errors import KeyNotFoundError, NoKeysError
 from pydantic import BaseModel, ConfigDict, Field
 
-from tollgate.wire.topology import Role, Topology
+from tollgate.wire.topology import Topology
 
 SIGNATURE_HEADER = "Tollgate-Signature"
 # How far a signed timestamp may be from the receiver's clock (seconds).
@@ -79,10 +79,9 @@ def verify(
 
 
 class WebhookStore:
-    def __init__(self, js: Any, topology: Topology, role: Role | None = None) -> None:
+    def __init__(self, js: Any, topology: Topology) -> None:
         self.js = js
         self.topology = topology
-        self.role = role
         self.kv: Any = None
 
     async def open(self) -> WebhookStore:
