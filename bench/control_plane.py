@@ -296,7 +296,7 @@ def bench_query(url: str, rounds: int, quick: bool, work: Path) -> dict[str, Any
 class NoStore:
     """A table that takes every insert at once: what is left is the consumer."""
 
-    def insert_json(self, table: str, rows: list[dict[str, Any]], key: str) -> None:
+    def insert_json(self, table: str, rows: list[dict[str, Any]], key: tuple[str, ...]) -> None:
         return None
 
 

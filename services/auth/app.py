@@ -1,4 +1,4 @@
-"""Auth service factory: the admin API plus the budget ledger."""
+"""Auth service factory: admin API, budget ledger, webhooks of spend alerts, budgets' log."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 from pydantic import BaseModel, ValidationError
 
 from services.auth.admin import KeyAdmin, KeyRevokedError, NotFoundError, TenantNotFoundError
+from services.auth.budgets import BudgetPublisher
 from services.auth.ledger import BudgetLedger
 from services.auth.metrics import AuthMetrics
 from services.auth.openapi import admin_api
@@ -40,6 +41,7 @@ from tollgate.runtime.jsonbody import integer_beyond_64_bits, integer_message
 from tollgate.runtime.openapi import add_openapi_route, build_document
 from tollgate.runtime.ops import add_ops_routes
 from tollgate.runtime.settings import CommonSettings
+from tollgate.runtime.tasks import stop_tasks
 from tollgate.wire import bus
 from tollgate.wire.control import ControlBroker
 from tollgate.wire.errors import error_json
@@ -319,8 +321,13 @@ def create_app(settings: AuthSettings, common: CommonSettings) -> web.Applicatio
         dispatcher.subscribe(broker)
         await broker.start()
         task = asyncio.create_task(ledger.run())
+        budgets = asyncio.create_task(
+            BudgetPublisher(js, topology).follow(lambda: int(nc.stats["reconnects"])),
+            name="auth-budgets",
+        )
         log.info("auth service ready")
         yield
+        await stop_tasks(budgets)
         ledger.stop()
         await broker.stop()  # the batch in hand is counted and acked, for 3 s at most
         await dispatcher.close()

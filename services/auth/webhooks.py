@@ -11,6 +11,11 @@ again after a restart, never reaches that endpoint twice. The alert is acked
 once every endpoint has it; until then it is handed back with a delay that
 doubles from ``retry_s`` to ten minutes, so an endpoint that is down gets it
 when it comes back, and the others are not called again.
+
+Every attempt goes to the delivery log (``tg.webhook-call.v1`` on
+``TG_WEBHOOK_LOG``; the metering service keeps it in ClickHouse,
+``webhook_calls``): where it went (without credentials or query), the
+status or why there was none, and how long it took.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from typing import Annotated, Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 from faststream import Context
@@ -31,7 +38,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from services.auth.metrics import AuthMetrics
 from tollgate.keys.webhooks import SIGNATURE_HEADER, WebhookRecord, WebhookStore, sign
 from tollgate.wire import codec, control
-from tollgate.wire.contracts import SpendAlert
+from tollgate.wire.contracts import SpendAlert, WebhookCall
 from tollgate.wire.permissions import inbox_prefix
 from tollgate.wire.topology import Role, Topology
 
@@ -59,6 +66,7 @@ class WebhookDispatcher:
 
     async def open(self) -> None:
         await self.topology.ensure_stream(self.js, self.topology.alerts, Role.AUTH)
+        await self.topology.ensure_stream(self.js, self.topology.webhook_log, Role.AUTH)
         await self.store.open()
         self.spend = await self.topology.bucket(self.js, self.topology.spend)
         consumer = self.topology.auth_webhooks
@@ -106,24 +114,26 @@ class WebhookDispatcher:
             log.error("invalid spend alert skipped", extra={"subject": msg.subject})
             await msg.ack()
             return
+        attempt = int(msg.metadata.num_delivered or 1)
         try:
-            done = await self.deliver(alert)
+            done = await self.deliver(alert, attempt)
         except Exception as exc:  # NATS away: the alert comes again
             log.warning("delivering a spend alert failed: %s: %s", type(exc).__name__, exc)
             done = False
         if done:
             await msg.ack()
             return
-        attempt = int(msg.metadata.num_delivered or 1)
         await msg.nak(delay=min(MAX_RETRY_S, self.retry_s * 2 ** (attempt - 1)))
 
-    async def deliver(self, alert: SpendAlert) -> bool:
+    async def deliver(self, alert: SpendAlert, attempt: int = 1) -> bool:
         """POST the alert to every endpoint that wants it and does not have it; all have it?"""
         endpoints = [w for w in await self.store.all() if w.wants(alert.tenant)]
-        results = await asyncio.gather(*(self._to(endpoint, alert) for endpoint in endpoints))
+        results = await asyncio.gather(
+            *(self._to(endpoint, alert, attempt) for endpoint in endpoints)
+        )
         return all(results)
 
-    async def _to(self, endpoint: WebhookRecord, alert: SpendAlert) -> bool:
+    async def _to(self, endpoint: WebhookRecord, alert: SpendAlert, attempt: int) -> bool:
         marker = f"hook.{alert.alert_id}.{endpoint.webhook_id}"
         with contextlib.suppress(KeyNotFoundError):
             await self.spend.get(marker)
@@ -137,28 +147,48 @@ class WebhookDispatcher:
             "Tollgate-Webhook": endpoint.webhook_id,
         }
         assert self.http is not None
-        started = time.monotonic()
+        sent, started = time.time(), time.monotonic()
+        status: int | None = None
+        error: str | None = None
         try:
             # a redirect is not followed: the alert goes to the URL the operator set, or fails
             async with self.http.post(
                 endpoint.url, data=body, headers=headers, allow_redirects=False
             ) as response:
-                status: int | None = response.status
-                ok = 200 <= response.status < 300
+                status = response.status
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            status, ok = None, False
-            log.info(
-                "webhook unreachable",
-                extra={"webhook_id": endpoint.webhook_id, "error": type(exc).__name__},
-            )
+            error = type(exc).__name__
+        ok = status is not None and 200 <= status < 300
+        call = WebhookCall(
+            call_id=uuid.uuid4().hex,
+            alert_id=alert.alert_id,
+            webhook_id=endpoint.webhook_id,
+            tenant=alert.tenant,
+            url=public_url(endpoint.url),
+            attempt=attempt,
+            time=sent,
+            outcome="delivered" if ok else ("unreachable" if status is None else "refused"),
+            http_status=status,
+            error=error,
+            seconds=round(time.monotonic() - started, 6),
+        )
+        if self.metrics is not None:
+            self.metrics.webhook_calls.labels("delivered" if ok else "failed").inc()
         extra = {
             "webhook_id": endpoint.webhook_id,
             "alert_id": alert.alert_id,
             "status": status,
-            "seconds": round(time.monotonic() - started, 3),
+            "error": error,
+            "seconds": round(call.seconds, 3),
         }
-        if self.metrics is not None:
-            self.metrics.webhook_calls.labels("delivered" if ok else "failed").inc()
+        # The log first: an alert counts as delivered to an endpoint only once
+        # its delivery is on record (a failed publish: the alert comes again).
+        await self.js.publish(
+            self.topology.subjects.webhook_call(alert.tenant),
+            codec.encode(call),
+            headers={"Nats-Msg-Id": call.call_id},
+            timeout=5,
+        )
         if not ok:
             log.info("webhook not acknowledged", extra=extra)
             return False
@@ -166,3 +196,16 @@ class WebhookDispatcher:
             await self.spend.create(marker, b"1")
         log.info("webhook delivered", extra=extra)
         return True
+
+
+def public_url(url: str) -> str:
+    """``url`` without what may hold a secret: credentials, query and fragment."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port is not None else ""
+    except ValueError:
+        return url.split("?", 1)[0].split("#", 1)[0][:2048]
+    if ":" in host:
+        host = f"[{host}]"
+    return urlunsplit((parts.scheme, host + port, parts.path, "", ""))[:2048]

@@ -1,11 +1,11 @@
-"""Captured exchanges and replay results, from JetStream into ClickHouse.
+"""Captured exchanges, replay results, webhook calls and budgets: JetStream into ClickHouse.
 
 Simpler than usage ingest, because nothing is billed from these rows: a
 durable consumer per stream, batches of up to 500 messages, one insert per
 batch through the usage writer's thread, acks after the insert. A message
 that is not a valid event is terminated (never redelivered); an insert that
 fails is retried by redelivery (nak with a delay). The tables are
-ReplacingMergeTree on the request id, and a batch sent again carries the same
+ReplacingMergeTree on each message's id, and a batch sent again carries the same
 deduplication token, so a redelivery does not double a row.
 
 The consumers pull with :class:`~tollgate.wire.bus.BatchPull` on nats.py: a
@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.metering.store import UsageStore, error_code
 from tollgate.wire.bus import BatchPull
-from tollgate.wire.contracts import CaptureEvent, ReplayResult
+from tollgate.wire.contracts import BudgetSet, CaptureEvent, ReplayResult, WebhookCall
 from tollgate.wire.topology import ConsumerSpec, Topology
 
 log = logging.getLogger("tollgate.metering.exchanges")
@@ -42,7 +42,7 @@ class StreamToTable:
         *,
         consumer: ConsumerSpec,
         table: str,
-        key: str,
+        key: tuple[str, ...],
         contract: type[BaseModel],
     ) -> None:
         self.nc = nc
@@ -114,18 +114,23 @@ class StreamToTable:
         self.stored += len(rows)
 
 
+# one row per version of a key's or tenant's budgets
+BUDGET_KEY = ("scope", "tenant", "key_id", "revision")
+
+
 def exchange_ingests(
     nc: NATS, store: UsageStore, write: Write, topology: Topology
 ) -> list[StreamToTable]:
-    """The capture and replay consumers (the caller runs and stops them)."""
+    """The consumers of captures, replays, webhook calls and budgets (the caller runs them)."""
+    tables: tuple[tuple[ConsumerSpec, str, tuple[str, ...], type[BaseModel]], ...] = (
+        (topology.metering_capture, "exchanges", ("request_id",), CaptureEvent),
+        (topology.metering_replay, "replays", ("replay_id", "request_id"), ReplayResult),
+        (topology.metering_webhook_log, "webhook_calls", ("call_id",), WebhookCall),
+        (topology.metering_budgets, "budgets", BUDGET_KEY, BudgetSet),
+    )
     return [
-        StreamToTable(
-            nc, store, write, consumer=consumer, table=table, key="request_id", contract=contract
-        )
-        for consumer, table, contract in (
-            (topology.metering_capture, "exchanges", CaptureEvent),
-            (topology.metering_replay, "replays", ReplayResult),
-        )
+        StreamToTable(nc, store, write, consumer=consumer, table=table, key=key, contract=contract)
+        for consumer, table, key, contract in tables
     ]
 
 

@@ -356,12 +356,12 @@ class UsageStore:
             return None  # no file: no fault
         return "after" if mode == "after" else "before"
 
-    def insert_json(self, table: str, rows: list[dict[str, Any]], key: str) -> None:
+    def insert_json(self, table: str, rows: list[dict[str, Any]], key: tuple[str, ...]) -> None:
         """Insert JSON rows into ``table``; a block sent again (same ``key`` values) is dropped."""
         if not rows:
             return
         block = b"\n".join(orjson.dumps(row) for row in rows)
-        ids = "\n".join(sorted(str(row[key]) for row in rows))
+        ids = "\n".join(sorted("|".join(str(row[k]) for k in key) for row in rows))
         token = f"{table}:" + hashlib.sha256(ids.encode()).hexdigest()
         self._call(
             self.writer.raw_insert,

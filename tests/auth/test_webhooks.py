@@ -7,19 +7,22 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import nats.js.errors
 import pytest
 from aiohttp import web
 
+from services.auth.webhooks import public_url
 from tests.auth.test_admin import chat
-from tests.conftest import Stack
+from tests.conftest import Service, Stack
 from tests.lib.net import free_port
 from tests.lib.streams import read_subject
 from tests.router.test_auth import wait_status
+from tollgate.analytics import run_query
 from tollgate.keys.tokens import auth_dir
 from tollgate.keys.webhooks import SIGNATURE_HEADER, sign, verify
 from tollgate.wire import codec
@@ -27,6 +30,30 @@ from tollgate.wire.contracts import SpendAlert
 from tollgate.wire.subjects import Subjects
 
 pytestmark = pytest.mark.usefixtures("sim_workers")
+
+
+@pytest.fixture(scope="module")
+def metering(stack: Stack) -> Iterator[Service]:
+    """The metering service: the delivery log and the budgets reach ClickHouse."""
+    service, _ = stack.metering(TOLLGATE_METERING_BATCH_MAX_WAIT_S="0.3")
+    yield service
+    service.stop()
+
+
+async def clickhouse(stack: Stack, sql: str, done: Callable[[list[list[Any]]], bool]) -> list[Any]:
+    """Poll a read-only query until ``done`` holds for its rows (30 s at most)."""
+    nc = await stack.nats.connect(name="test-billing-logs")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            result = await run_query(nc, Subjects(), sql, timeout=30)
+            assert result.error is None, result.error
+            if done(result.rows) or time.monotonic() > deadline:
+                return result.rows
+            await asyncio.sleep(0.3)
+    finally:
+        await nc.close()
+
 
 RETRY = {"TOLLGATE_AUTH_WEBHOOK_RETRY_S": "0.5", "TOLLGATE_AUTH_REACTIVATE_EVERY_S": "0.5"}
 
@@ -45,6 +72,15 @@ def test_a_signature_holds_for_its_body_secret_and_time_only() -> None:
     assert not verify("whsec_one", "v1=abc", body) and not verify("whsec_one", "", body)
 
 
+def test_the_delivery_log_keeps_no_secret_of_an_endpoint_url() -> None:
+    assert public_url("https://user:pw@hooks.example.com:8443/t?token=s3cret#f") == (
+        "https://hooks.example.com:8443/t"
+    )
+    assert public_url("http://[::1]:9000/hook?x=1") == "http://[::1]:9000/hook"
+    assert public_url("https://example.com") == "https://example.com"
+    assert public_url("http://example.com:99999/x?k=v") == "http://example.com:99999/x"
+
+
 @dataclass
 class Receiver:
     """A webhook endpoint in the test: what it was sent, once it listens."""
@@ -55,7 +91,7 @@ class Receiver:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/hooks/tollgate"
+        return f"http://127.0.0.1:{self.port}/hooks/tollgate?token=receivers-own-secret"
 
     async def listen(self) -> None:
         async def hook(request: web.Request) -> web.Response:
@@ -64,6 +100,7 @@ class Receiver:
 
         app = web.Application()
         app.router.add_post("/hooks/tollgate", hook)
+        app.router.add_post("/hooks/tollgate/other", hook)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -106,7 +143,7 @@ async def alerts_of(stack: Stack, tenant: str, count: int, timeout: float = 30) 
 
 
 async def test_alerts_reach_a_receiver_that_comes_up_late_signed_and_once(
-    stack: Stack, router_url: str, api_key: str, receiver: Receiver
+    stack: Stack, router_url: str, api_key: str, receiver: Receiver, metering: Service
 ) -> None:
     service, base = stack.auth(**RETRY)
     admin = admin_client(base, stack)
@@ -119,7 +156,8 @@ async def test_alerts_reach_a_receiver_that_comes_up_late_signed_and_once(
     listed = {h["webhook_id"]: h for h in admin.get("/admin/webhooks").json()["data"]}
     assert "secret" not in listed[hook_id]  # the secret is shown once
     # an endpoint of another tenant hears nothing of this one
-    other = admin.post("/admin/webhooks", json={"url": receiver.url + "/other", "tenant": "x"})
+    other_url = receiver.url.replace("/tollgate?", "/tollgate/other?")
+    other = admin.post("/admin/webhooks", json={"url": other_url, "tenant": "x"})
     assert other.status_code == 201
 
     key = admin.post(
@@ -172,6 +210,27 @@ async def test_alerts_reach_a_receiver_that_comes_up_late_signed_and_once(
     admin = admin_client(base, stack)
     await asyncio.sleep(3)  # several reconciles and retry rounds
     assert len(receiver.calls) == 2
+
+    # The delivery log in ClickHouse: the failed attempts while the receiver was
+    # down, then one delivery per alert; the endpoint without its query string.
+    sql = (
+        "SELECT alert_id, attempt, outcome, http_status, error, url, webhook_id"
+        f" FROM webhook_calls WHERE tenant = '{tenant}' ORDER BY alert_id, time"
+    )
+    log = await clickhouse(stack, sql, lambda rows: sum(r[2] == "delivered" for r in rows) >= 2)
+    by_alert: dict[str, list[list[Any]]] = {}
+    for row in log:
+        by_alert.setdefault(row[0], []).append(row)
+    assert set(by_alert) == {a.alert_id for a in alerts}
+    for calls in by_alert.values():
+        *failed, delivered = calls
+        assert failed and all(
+            c[2] == "unreachable" and c[3] is None and c[4] == "ClientConnectorError"
+            for c in failed
+        ), calls
+        assert delivered[2:4] == ["delivered", 204] and delivered[1] > failed[0][1]
+        assert [c[1] for c in calls] == sorted(c[1] for c in calls)
+    assert {(r[5], r[6]) for r in log} == {(receiver.url.split("?")[0], hook_id)}
     assert admin.delete(f"/admin/webhooks/{hook_id}").json()["webhook_id"] == hook_id
     assert admin.delete(f"/admin/webhooks/{hook_id}").status_code == 404
     assert admin.delete(f"/admin/webhooks/{other.json()['webhook_id']}").status_code == 200
@@ -192,3 +251,37 @@ def test_a_webhook_needs_an_http_url(stack: Stack, api_key: str) -> None:
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["code"] == "invalid_request"
     assert admin.delete("/admin/webhooks/no-such-hook").status_code == 404
+
+
+async def test_budgets_reach_clickhouse_as_they_change(stack: Stack, metering: Service) -> None:
+    _, base = stack.auth()
+    admin = admin_client(base, stack)
+    tenant = f"budgeted-{uuid.uuid4().hex[:8]}"
+    key = admin.post(
+        "/admin/keys", json={"tenant": tenant, "budget_tokens": 5000, "budget_period": "month"}
+    ).json()["record"]
+    limits = {"budget_amount": "12.5", "budget_currency": "EUR", "budget_period": "day"}
+    assert admin.put(f"/admin/tenants/{tenant}", json=limits).status_code == 200
+    sql = (
+        "SELECT scope, key_id, period, budget_tokens, toString(budget_amount), budget_currency"
+        f" FROM budgets_current WHERE tenant = '{tenant}' ORDER BY scope"
+    )
+    want = [
+        ["key", key["key_id"], "month", 5000, None, None],
+        ["tenant", "", "day", None, "12.5", "EUR"],
+    ]
+    assert await clickhouse(stack, sql, lambda rows: rows == want) == want
+
+    # a changed budget replaces the row; cleared limits and a revoked key leave the view
+    assert admin.patch(f"/admin/keys/{key['key_id']}", json={"budget_tokens": 7000}).is_success
+    want[0][3] = 7000
+    assert await clickhouse(stack, sql, lambda rows: rows == want) == want
+    assert admin.delete(f"/admin/tenants/{tenant}").is_success
+    assert admin.delete(f"/admin/keys/{key['key_id']}").is_success
+    assert await clickhouse(stack, sql, lambda rows: rows == []) == []
+    states = await clickhouse(
+        stack,
+        f"SELECT scope, state FROM budgets FINAL WHERE tenant = '{tenant}' ORDER BY scope",
+        lambda rows: len(rows) == 2,
+    )
+    assert states == [["key", "revoked"], ["tenant", "removed"]]

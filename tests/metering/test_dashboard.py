@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 
 from services.metering.store import UsageStore
 from tests.metering.test_invoice import insert_prices
-from tests.metering.test_store import event
+from tests.metering.test_store import billing_rows, event
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "tollgate-billing.json"
 START = datetime(2026, 11, 1, tzinfo=UTC)
@@ -64,12 +65,16 @@ def used(store: UsageStore) -> UsageStore:
         for i in range(30)
     ]
     rows[4]["outcome"] = "client_disconnected"
+    rows.append(
+        event(99, time=datetime.now(UTC).timestamp(), model="m/a", key_id="key-1", tenant="acme")
+    )
     rows[5]["http_status"] = 502
     store.insert(rows)
     insert_prices(
         store,
         [[m, START, None, "0.5", "1.5", "USD"] for m in ("m/a", "m/b")],
     )
+    billing_rows(store, START.timestamp() + 86400)  # budgets, and webhook calls in the range
     return store
 
 
@@ -78,6 +83,7 @@ def test_the_dashboard_has_a_query_for_each_question() -> None:
     for question in ("tokens by tenant", "cost by tenant", "by model", "top keys"):
         assert question in titles, question
     assert "disconnects and errors" in titles and "no price" in titles
+    assert "spend against budget" in titles and "webhook deliveries" in titles
 
 
 @pytest.mark.parametrize(("what", "sql"), queries(), ids=[w for w, _ in queries()])
@@ -87,3 +93,37 @@ def test_every_query_runs_on_the_schema(used: UsageStore, what: str, sql: str) -
     assert result.rows, f"{what}: no rows"
     named: dict[str, Any] = dict(zip(result.columns, result.rows[0], strict=True))
     assert all(not name.startswith("$") for name in named), named
+
+
+def test_spend_against_budget_counts_each_budgets_current_period(used: UsageStore) -> None:
+    (sql,) = [sql for what, sql in queries() if what == "Spend against budget"]
+    result = used.query(expand(sql), {}, 100)
+    assert result.error is None, result.error
+    got = {
+        (r["scope"], r["key"]): r
+        for r in (dict(zip(result.columns, row, strict=True)) for row in result.rows)
+    }
+    assert set(got) == {("key", "key-1"), ("tenant", "")}  # globex's limits were cleared
+
+    def tokens(where: str) -> int:
+        return int(
+            used.writer.query(
+                f"SELECT sum(prompt_tokens + completion_tokens) FROM usage_events WHERE {where}"
+            ).result_rows[0][0]
+        )
+
+    # key-1's budget counts in total: every row of the key
+    key = got[("key", "key-1")]
+    assert key["spent_tokens"] == tokens("tenant = 'acme' AND key_id = 'key-1'") > 0
+    assert key["tokens_pct"] == round(100 * key["spent_tokens"] / 5000, 1)
+    # the tenant's money budget counts this month only: the one recent row, on m/a
+    tenant = got[("tenant", "")]
+    assert tenant["period"] == "month" and tenant["currency"] == "USD"
+    recent = used.writer.query(
+        "SELECT prompt_tokens, completion_tokens FROM usage_events WHERE request_id = 'req-99'"
+    ).result_rows[0]
+    assert tenant["spent_tokens"] == sum(recent)
+    assert (
+        tenant["spent_amount"]
+        == (Decimal(recent[0]) * Decimal("0.5") + Decimal(recent[1]) * Decimal("1.5")) / 1_000_000
+    )

@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 
 from services.metering import store as store_module
+from services.metering.exchanges import BUDGET_KEY
 from services.metering.store import Migration, UsageStore, load_migrations
 from tollgate.analytics import render, report_parameters, report_sql
 from tollgate.models.catalog import AdapterEntry, Catalog, ModelEntry, Price
+from tollgate.wire.contracts import BudgetSet, WebhookCall
 
 DAY = datetime(2026, 11, 2, tzinfo=UTC).timestamp()
 
@@ -258,7 +260,7 @@ def test_every_query_in_the_analytics_guide_runs(store: UsageStore) -> None:
             exchange_row("x-2", now - 120, prompt_tokens=40_000),
             exchange_row("x-3", now - 180, response_text=loop),
         ],
-        "request_id",
+        ("request_id",),
     )
     store.insert_json(
         "replays",
@@ -281,8 +283,9 @@ def test_every_query_in_the_analytics_guide_runs(store: UsageStore) -> None:
                 "repetition": 0.0,
             }
         ],
-        "request_id",
+        ("request_id",),
     )
+    billing_rows(store, now)
     for sql in queries:
         result = store.query(sql.replace("'…'", "'req-1'"), {}, 100)
         assert result.error is None, (sql, result.error)
@@ -382,8 +385,8 @@ def test_captured_exchanges_expire_after_the_retention(store: UsageStore) -> Non
     store.set_capture_retention(10)
     engine = "SELECT engine_full FROM system.tables WHERE database = currentDatabase()"
     assert "toIntervalDay(10)" in scalar(store, f"{engine} AND name = 'exchanges'")
-    store.insert_json("exchanges", [exchange("old", 12), exchange("new", 1)], "request_id")
-    store.insert_json("exchanges", [exchange("old", 12), exchange("new", 1)], "request_id")
+    store.insert_json("exchanges", [exchange("old", 12), exchange("new", 1)], ("request_id",))
+    store.insert_json("exchanges", [exchange("old", 12), exchange("new", 1)], ("request_id",))
     store.writer.command("OPTIMIZE TABLE exchanges FINAL")
     kept = store.writer.query("SELECT request_id FROM exchanges ORDER BY request_id").result_rows
     assert kept == [("new",)], "the 12-day-old row expired; the block sent twice is stored once"
@@ -416,3 +419,95 @@ def test_the_fault_switch_fails_inserts_only_while_its_file_exists(
     switch.unlink()
     store.insert(refused)  # the retry of an unclear failure is dropped as a duplicate
     assert scalar(store, count) == 9
+
+
+def billing_rows(store: UsageStore, now: float) -> None:
+    """Webhook calls and budgets, as the metering service stores them from the bus."""
+    calls = [
+        WebhookCall(
+            call_id=f"call-{i}",
+            alert_id="key-1.20261203.tokens.5000.80",
+            webhook_id="wh-1",
+            tenant="acme",
+            url="https://hooks.example.com/tollgate",
+            attempt=i + 1,
+            time=now - 60 + i * 10,
+            outcome="delivered" if i == 2 else "unreachable" if i == 0 else "refused",
+            http_status=None if i == 0 else 204 if i == 2 else 503,
+            error="ClientConnectorError" if i == 0 else None,
+            seconds=0.05,
+        )
+        for i in range(3)
+    ]
+    store.insert_json("webhook_calls", [_row(c) for c in calls], ("call_id",))
+    budgets = [
+        BudgetSet(
+            scope="key",
+            tenant="acme",
+            key_id="key-1",
+            revision=7,
+            time=now,
+            period="total",
+            budget_tokens=5000,
+            state="active",
+        ),
+        BudgetSet(
+            scope="tenant",
+            tenant="acme",
+            revision=3,
+            time=now,
+            period="month",
+            budget_amount="25.5",
+            budget_currency="USD",
+            state="active",
+        ),
+        # an older version of the key's budgets, and a tenant whose limits were cleared
+        BudgetSet(
+            scope="key",
+            tenant="acme",
+            key_id="key-1",
+            revision=5,
+            time=now - 9,
+            period="day",
+            budget_tokens=10,
+            state="active",
+        ),
+        BudgetSet(
+            scope="tenant",
+            tenant="globex",
+            revision=4,
+            time=now,
+            period="day",
+            budget_tokens=1,
+            state="active",
+        ),
+        BudgetSet(scope="tenant", tenant="globex", revision=6, time=now, state="removed"),
+    ]
+    store.insert_json("budgets", [_row(b) for b in budgets], BUDGET_KEY)
+
+
+def _row(event: WebhookCall | BudgetSet) -> dict[str, Any]:
+    return event.model_dump(mode="json", exclude={"type"})
+
+
+def test_budgets_keep_the_latest_version_of_each_key_and_tenant(store: UsageStore) -> None:
+    now = datetime.now(UTC).timestamp()
+    billing_rows(store, now)
+    billing_rows(store, now)  # the same blocks again (a redelivered batch): no new rows
+    current = store.writer.query(
+        "SELECT scope, tenant, key_id, period, budget_tokens, toString(budget_amount),"
+        " budget_currency, period_start = toStartOfMonth(now('UTC')) FROM budgets_current"
+        " ORDER BY scope"
+    ).result_rows
+    assert current == [
+        ("key", "acme", "key-1", "total", 5000, None, None, False),
+        ("tenant", "acme", "", "month", None, "25.5", "USD", True),
+    ]
+    calls = store.writer.query(
+        "SELECT attempt, outcome, http_status, error FROM webhook_calls ORDER BY time"
+    ).result_rows
+    assert calls == [
+        (1, "unreachable", None, "ClientConnectorError"),
+        (2, "refused", 503, None),
+        (3, "delivered", 204, None),
+    ]

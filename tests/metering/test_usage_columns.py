@@ -73,7 +73,7 @@ def test_existing_tables_get_the_columns_and_keep_their_rows(
 ) -> None:
     store = UsageStore(chdb_dsn, f"t_{uuid.uuid4().hex[:12]}").open()
     try:
-        every = load_migrations()
+        every = [m for m in load_migrations() if m.version < 9]
         before = [m for m in every if m.version < 7]
         monkeypatch.setattr(store_module, "load_migrations", lambda: before)
         store.migrate()

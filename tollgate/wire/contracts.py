@@ -520,3 +520,57 @@ class SpendAlert(_Contract):
     threshold_pct: int = Field(ge=1, le=100, description="The threshold passed, in percent.")
     budget: str = Field(description="The budget: tokens, or an amount in `unit` (decimal).")
     spent: str = Field(description="What was spent when it was passed (same unit).")
+
+
+class WebhookCall(_Contract):
+    """One attempt to deliver a spend alert to a webhook endpoint: the delivery log.
+
+    Published by the auth service after every POST, before the alert counts as
+    delivered to that endpoint; the metering service keeps it in ClickHouse
+    (``webhook_calls``).
+    """
+
+    type: Literal["tg.webhook-call.v1"] = "tg.webhook-call.v1"
+    call_id: str = Field(min_length=1, max_length=200, description="This attempt's own id.")
+    alert_id: str = Field(max_length=400, description="The alert (`Tollgate-Delivery`).")
+    webhook_id: str = Field(max_length=200)
+    tenant: str = Field(description="The alert's tenant.")
+    url: str = Field(
+        max_length=2048,
+        description="Where it was sent: scheme, host, port and path (no credentials, no query).",
+    )
+    attempt: int = Field(ge=1, description="1 for the alert's first delivery round, then 2, ...")
+    time: float = Field(description="Unix time the POST was sent.")
+    outcome: Literal["delivered", "refused", "unreachable"] = Field(
+        description="delivered: a 2xx; refused: any other status; unreachable: no answer in time."
+    )
+    http_status: int | None = Field(default=None, ge=100, le=999)
+    error: str | None = Field(
+        default=None, max_length=200, description="Why there was no answer (unreachable)."
+    )
+    seconds: float = Field(ge=0, description="How long the endpoint took.")
+
+
+class BudgetSet(_Contract):
+    """A key's or tenant's budgets as set now: published whenever its record changes.
+
+    The auth service follows the key and tenant records and publishes each
+    version, so that ClickHouse (``budgets``) can put spend beside budgets.
+    ``revision`` orders the versions of one key's or tenant's record.
+    """
+
+    type: Literal["tg.budget.v1"] = "tg.budget.v1"
+    scope: Literal["key", "tenant"]
+    tenant: str
+    key_id: str | None = Field(default=None, description="The key, for a key's budgets.")
+    revision: int = Field(ge=0, description="The record's revision in its bucket.")
+    time: float = Field(description="Unix time this version was seen.")
+    period: Literal["day", "month", "total"] | None = None
+    budget_tokens: int | None = Field(default=None, ge=0)
+    budget_amount: str | None = Field(
+        default=None, max_length=40, description="A money budget (decimal) in budget_currency."
+    )
+    budget_currency: str | None = Field(default=None, max_length=3)
+    state: Literal["active", "over_budget", "revoked", "removed"] = Field(
+        description="removed: the record is gone (a tenant's limits cleared)."
+    )

@@ -296,6 +296,30 @@ class Subjects:
     def alerts_stream(self) -> str:
         return f"{self.stream_prefix}_ALERTS"
 
+    def webhook_call(self, tenant: str) -> str:
+        """The delivery log: each attempt to deliver a tenant's spend alert (JetStream)."""
+        return f"{self.prefix}.billing.webhooks.{model_token(tenant)}"
+
+    @property
+    def webhook_calls_all(self) -> str:
+        return f"{self.prefix}.billing.webhooks.*"
+
+    @property
+    def webhook_log_stream(self) -> str:
+        return f"{self.stream_prefix}_WEBHOOK_LOG"
+
+    def budget(self, tenant: str) -> str:
+        """A tenant's or its keys' budgets as set, each time they change (JetStream)."""
+        return f"{self.prefix}.billing.budgets.{model_token(tenant)}"
+
+    @property
+    def budgets_all(self) -> str:
+        return f"{self.prefix}.billing.budgets.*"
+
+    @property
+    def budgets_stream(self) -> str:
+        return f"{self.stream_prefix}_BUDGETS"
+
     @property
     def audit_stream(self) -> str:
         return f"{self.stream_prefix}_AUDIT"

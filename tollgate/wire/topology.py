@@ -323,6 +323,30 @@ class Topology:
             contract=c.SpendAlert,
             pattern=f"{s.prefix}.alerts.spend.<tenant>",
         )
+        self.webhook_log = StreamSpec(
+            "the delivery log: every attempt to deliver a spend alert, on its way to ClickHouse",
+            s.webhook_log_stream,
+            (s.webhook_calls_all,),
+            StorageType.FILE,
+            writers=_roles(R.AUTH),
+            readers=_roles(R.METERING),
+            max_age_s=30 * 86400.0,
+            duplicate_window_s=DEDUPE_WINDOW_S,
+            contract=c.WebhookCall,
+            pattern=f"{s.prefix}.billing.webhooks.<tenant>",
+        )
+        self.budget_log = StreamSpec(
+            "keys' and tenants' budgets as set, each change, on their way to ClickHouse",
+            s.budgets_stream,
+            (s.budgets_all,),
+            StorageType.FILE,
+            writers=_roles(R.AUTH),
+            readers=_roles(R.METERING),
+            max_age_s=30 * 86400.0,
+            duplicate_window_s=DEDUPE_WINDOW_S,
+            contract=c.BudgetSet,
+            pattern=f"{s.prefix}.billing.budgets.<tenant>",
+        )
         self.keys = BucketSpec(
             "the whitelist: key id -> key record",
             s.keys_bucket,
@@ -425,6 +449,20 @@ class Topology:
             s.replay_all,
             R.METERING,
         )
+        self.metering_webhook_log = ConsumerSpec(
+            "webhook delivery attempts into ClickHouse",
+            s.webhook_log_stream,
+            "metering-webhook-log",
+            s.webhook_calls_all,
+            R.METERING,
+        )
+        self.metering_budgets = ConsumerSpec(
+            "budgets into ClickHouse",
+            s.budgets_stream,
+            "metering-budgets",
+            s.budgets_all,
+            R.METERING,
+        )
         p = s.prefix
         self.core = (
             SubjectSpec(
@@ -510,6 +548,8 @@ class Topology:
             self.scale,
             self.audit,
             self.alerts,
+            self.webhook_log,
+            self.budget_log,
         )
 
     @property
@@ -533,6 +573,8 @@ class Topology:
             self.auth_webhooks,
             self.metering_capture,
             self.metering_replay,
+            self.metering_webhook_log,
+            self.metering_budgets,
         )
 
     def used_by(self, role: Role | None) -> tuple[list[StreamSpec], list[BucketSpec]]:
