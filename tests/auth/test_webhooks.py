@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -231,6 +235,19 @@ async def test_alerts_reach_a_receiver_that_comes_up_late_signed_and_once(
         assert delivered[2:4] == ["delivered", 204] and delivered[1] > failed[0][1]
         assert [c[1] for c in calls] == sorted(c[1] for c in calls)
     assert {(r[5], r[6]) for r in log} == {(receiver.url.split("?")[0], hook_id)}
+    # the same log from the command line, newest first
+    command = ["webhooks", "log", "--tenant", tenant, "--format", "json"]
+    shown = subprocess.run(
+        [sys.executable, "-m", "tollgate.app.cli", *command],
+        env={**os.environ, **stack.env()},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    attempts = json.loads(shown.stdout)
+    assert len(attempts) == len(log) and attempts[0]["outcome"] == "delivered"
+    assert sorted(a["alert_id"] for a in attempts) == sorted(r[0] for r in log)
     assert admin.delete(f"/admin/webhooks/{hook_id}").json()["webhook_id"] == hook_id
     assert admin.delete(f"/admin/webhooks/{hook_id}").status_code == 404
     assert admin.delete(f"/admin/webhooks/{other.json()['webhook_id']}").status_code == 200

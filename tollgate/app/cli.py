@@ -411,7 +411,24 @@ async def _webhooks_async(ns: argparse.Namespace) -> int:
         await bus.close(nc)
 
 
+# The delivery log of spend alerts' webhooks, newest first (docs/analytics.md).
+WEBHOOK_LOG_SQL = (
+    "SELECT time, tenant, webhook_id, alert_id, attempt, outcome, http_status, error,"
+    " round(seconds, 3) AS seconds, url"
+    " FROM webhook_calls"
+    " WHERE time >= now64(3) - toIntervalDay({days:UInt32})"
+    " AND ({tenant:String} = '' OR tenant = {tenant:String})"
+    " ORDER BY time DESC"
+)
+
+
 def _webhooks(ns: argparse.Namespace) -> int:
+    if ns.action == "log":
+        if ns.days < 1:
+            print("error: --days must be 1 or more", file=sys.stderr)
+            return 2
+        parameters = {"days": ns.days, "tenant": ns.tenant or ""}
+        return asyncio.run(_query_async(ns, WEBHOOK_LOG_SQL, parameters))
     return asyncio.run(_webhooks_async(ns))
 
 
@@ -849,6 +866,11 @@ def build_parser() -> argparse.ArgumentParser:
     command(hook_actions, "list", "every endpoint, without secrets")
     hook_rm = command(hook_actions, "rm", "remove an endpoint")
     hook_rm.add_argument("webhook_id", help="the endpoint's id (from `webhooks list`)")
+    hook_log = command(hook_actions, "log", "delivery attempts, newest first (ClickHouse)")
+    hook_log.add_argument("--tenant", help="only this tenant's alerts (default: every tenant's)")
+    hook_log.add_argument(
+        "--days", type=int, default=7, help="attempts of the last DAYS days (default: 7)"
+    )
     webhooks.set_defaults(func=_webhooks)
     usage = command(sub, "usage", "usage and cost, from the metering service")
     usage_actions = usage.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -874,7 +896,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sql = command(sub, "sql", "a read-only ClickHouse query on the usage data")
     sql.add_argument("statement", help="one SELECT statement")
-    for p in (report, sql):
+    for p in (report, sql, hook_log):
         p.add_argument(
             "--format", choices=["table", "csv", "json"], default="table", help="output format"
         )
