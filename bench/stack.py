@@ -351,7 +351,10 @@ def render(r: dict[str, Any]) -> list[str]:
         "the auth service never sees a call of a key without a budget;",
         "- compact replies: a non-stream call the engine answers within 50 ms reaches its "
         "router as one message (the final report carries the worker id and the body) "
-        "instead of three, a slower one as two.",
+        "instead of three, a slower one as two;",
+        "- the worker runs on uvloop like the HTTP services (it ran on asyncio's own loop): "
+        "measured alone on one stack, its CPU per request fell from 1.39 to 1.20 ms at "
+        "concurrency 1 and from 1.15 to 1.06 ms at 16.",
         "",
         "Where the rest goes (py-spy on the router and the worker at concurrency 16): about "
         "a third of each process's time is spent in socket writes to nats-server, one per "
