@@ -64,8 +64,14 @@ class BudgetPublisher:
 
     async def follow(self, reconnects: Callable[[], int] = lambda: 0) -> None:
         """Watch both buckets until cancelled; again from the start after every reconnect."""
-        keys = await self.topology.bucket(self.js, self.topology.keys)
-        tenants = await self.topology.bucket(self.js, self.topology.tenants)
+        while True:
+            try:
+                keys = await self.topology.bucket(self.js, self.topology.keys)
+                tenants = await self.topology.bucket(self.js, self.topology.tenants)
+                break
+            except Exception as exc:  # NATS away at start: try again
+                log.warning("key and tenant buckets not open yet: %s: %s", type(exc).__name__, exc)
+                await asyncio.sleep(1.0)
         while True:
             seen = reconnects()
             watches = {
