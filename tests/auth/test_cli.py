@@ -209,7 +209,7 @@ def test_tenant_limits_are_set_shown_listed_and_cleared(
             ["tenants", "set", "acme corp", "--budget-money", "1/day", "--budget-tokens", "9/month"]
         )
     listing = tenants(capsys, "list")
-    assert listing.startswith("acme corp") and "tpm None" in listing and "12.5 EUR" in listing
+    assert listing.startswith("acme corp") and "tpm none" in listing and "12.5 EUR" in listing
     assert "cleared" in tenants(capsys, "clear", "acme corp")
     assert "no limits of its own" in tenants(capsys, "show", "acme corp", status=1)
     assert "no limits of its own" in tenants(capsys, "clear", "acme corp", status=1)

@@ -262,9 +262,9 @@ async def _keys_async(ns: argparse.Namespace) -> int:
             for r in sorted(await store.all(), key=lambda r: r.created_at):
                 print(
                     f"{r.key_id}  {r.tenant:<12} {r.state.value:<11} expires {_expiry(r)}  "
-                    f"models {','.join(r.models)}  rpm {r.rpm}  tpm {r.tpm}  "
-                    f"budget {r.budget_tokens}/{r.budget_period}  "
-                    f"concurrent {r.max_concurrent}  weight {r.weight:g}  "
+                    f"models {','.join(r.models)}  rpm {_cap(r.rpm)}  tpm {_cap(r.tpm)}  "
+                    f"budget {_budget(r)}  "
+                    f"concurrent {_cap(r.max_concurrent)}  weight {r.weight:g}  "
                     f"{_class(r)}  {r.name}"
                 )
             return 0
@@ -341,7 +341,8 @@ async def _tenants_async(ns: argparse.Namespace) -> int:
         if ns.action == "list":
             for r in await store.all():
                 print(
-                    f"{r.tenant:<16} rpm {r.rpm}  tpm {r.tpm}  concurrent {r.max_concurrent}  "
+                    f"{r.tenant:<16} rpm {_cap(r.rpm)}  tpm {_cap(r.tpm)}  "
+                    f"concurrent {_cap(r.max_concurrent)}  "
                     f"budget {_budget(r)}  spent {await spent(r)}"
                     + ("  OVER BUDGET" if r.over_budget else "")
                 )
@@ -373,8 +374,8 @@ async def _tenants_async(ns: argparse.Namespace) -> int:
         limits = _limits(ns)
         record = await store.set_limits(ns.tenant, limits)
         print(
-            f"set tenant {record.tenant}: rpm {record.rpm}  tpm {record.tpm}  "
-            f"concurrent {record.max_concurrent}  budget {_budget(record)}"
+            f"set tenant {record.tenant}: rpm {_cap(record.rpm)}  tpm {_cap(record.tpm)}  "
+            f"concurrent {_cap(record.max_concurrent)}  budget {_budget(record)}"
         )
         return 0
     finally:
@@ -420,6 +421,11 @@ WEBHOOK_LOG_SQL = (
     " AND ({tenant:String} = '' OR tenant = {tenant:String})"
     " ORDER BY time DESC"
 )
+
+
+def _cap(value: int | None) -> str:
+    """A limit as a list shows it: the number, or ``none``."""
+    return "none" if value is None else str(value)
 
 
 def _webhooks(ns: argparse.Namespace) -> int:
