@@ -202,10 +202,7 @@ def public_url(url: str) -> str:
     """``url`` without what may hold a secret: credentials, query and fragment."""
     try:
         parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port is not None else ""
-    except ValueError:
-        return url.split("?", 1)[0].split("#", 1)[0][:2048]
-    if ":" in host:
-        host = f"[{host}]"
-    return urlunsplit((parts.scheme, host + port, parts.path, "", ""))[:2048]
+    except ValueError:  # an unparsable host: nothing of it is kept
+        return "unparsable"
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))[:2048]

@@ -83,6 +83,9 @@ def test_the_delivery_log_keeps_no_secret_of_an_endpoint_url() -> None:
     assert public_url("http://[::1]:9000/hook?x=1") == "http://[::1]:9000/hook"
     assert public_url("https://example.com") == "https://example.com"
     assert public_url("http://example.com:99999/x?k=v") == "http://example.com:99999/x"
+    # a port out of range, or a host that does not parse, keeps no credentials either
+    assert public_url("http://u:pw@example.com:99999/x") == "http://example.com:99999/x"
+    assert public_url("http://u:pw@[::1/x") == "unparsable"
 
 
 @dataclass
