@@ -272,7 +272,10 @@ class Dispatcher:
             raise
         call.seq = ack.seq
         self._unstarted.setdefault(request.model, {})[call.token] = time.monotonic()
-        await self._announce(request, subject)
+        if call.direct_to is not None:
+            await self._offer(request.model, call.direct_to, ack.seq, subject, data, headers)
+        else:
+            await self._announce(request, subject)
 
     async def _announce(self, request: InferenceRequest, lane: str) -> None:
         """Tell the scaler and the model's idle workers that a request waits (no body).
@@ -286,6 +289,25 @@ class Dispatcher:
             await self.nc.publish(self.subjects.arrivals(request.model), codec.encode(arrival))
         except Exception as exc:  # workers also look every second: not worth failing for
             log.warning("arrival not announced: %s: %s", type(exc).__name__, str(exc))
+
+    async def _offer(
+        self, model: str, worker_id: str, seq: int, lane: str, data: bytes, headers: dict[str, str]
+    ) -> None:
+        """Offer a request in a worker's direct lane to that worker, body included.
+
+        Sent once the request is in the queue, with its sequence there: the
+        worker claims it by deleting that message, without reading the queue
+        first. Nobody else needs an arrival: other workers may take it only
+        once it spills, and find it when they next read the lanes' counts;
+        the scaler follows arrivals only for a model without a ready worker,
+        and a direct lane's worker was ready.
+        """
+        subject = self.subjects.offer(model, worker_id)
+        offer_headers = {**headers, "Tollgate-Seq": str(seq), "Tollgate-Lane": lane}
+        try:
+            await self.nc.publish(subject, data, headers=offer_headers)
+        except Exception as exc:  # the worker also reads its lanes every second
+            log.warning("offer not sent: %s: %s", type(exc).__name__, str(exc))
 
     async def cancel(self, call: Call, reason: str) -> None:
         if call.cancelled:

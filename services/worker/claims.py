@@ -22,6 +22,14 @@ worker with a free slot:
    delete is the claim: of several workers that read the same request, the
    one whose delete succeeds runs it; the others read the next one.
 
+A router that puts a request in this worker's direct lane also *offers* it
+to this worker (:meth:`WorkClaims.offered`): the body with its sequence in
+the queue. When fair share picks that lane and every request known to wait
+there was offered, the worker deletes the oldest offered one straight away,
+without the read: a claim in one round trip instead of two. An offer whose
+delete fails (another worker took the request after its wait, or its router
+withdrew it) is dropped.
+
 A request stays in the stream until a worker claims it, so it survives a
 cold start (no worker yet) and is never lost with a worker that dies before
 claiming it. A router withdraws a request whose client left by deleting it.
@@ -51,6 +59,14 @@ SPILL_AFTER_S = 0.5
 # How many reads a claim may take before it gives up for now (each lost race
 # or empty lane costs one).
 _TRIES = 32
+# The most offers a worker keeps, and their bodies' bytes (the oldest go
+# first); an offer the worker had no slot for also waits in the queue, where
+# the worker finds it by reading.
+MAX_OFFERS = 256
+MAX_OFFER_BYTES = 64 * 1024 * 1024
+# How long an offer whose lane the queue's counts no longer show is kept (the
+# counts may have been read just before its request was stored).
+OFFER_KEPT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,10 @@ class WorkClaims:
         # True when the last take gave up after losing every race to other
         # workers: requests still wait
         self.contended = False
+        # requests offered to this worker, by direct lane: seq -> (body, headers, when)
+        self._offers: dict[str, dict[int, tuple[bytes, dict[str, str], float]]] = {}
+        self._offered = 0  # how many
+        self._offered_bytes = 0
 
     def arrived(self, lane: str | None = None) -> None:
         """A router announced a request for this model, in ``lane`` when it says."""
@@ -109,6 +129,57 @@ class WorkClaims:
             self._watch(lane, time.monotonic())
         else:
             self._stale = True
+
+    def offered(self, lane: str, seq: int, data: bytes, headers: dict[str, str]) -> bool:
+        """A router put a request in this worker's direct ``lane`` and offers it (see the docs).
+
+        False (and only counted as an arrival) when ``lane`` is not one of
+        this worker's direct lanes, or fair share is off (first come, first
+        served compares the lanes' oldest requests, which only reading gives).
+        """
+        parsed = Lane.parse(lane) if lane.startswith(self._prefix) else None
+        if parsed is None or self.me is None or parsed.worker != self.me or not self.fair:
+            self.arrived(lane if parsed is not None else None)
+            return False
+        self._offers.setdefault(lane, {})[seq] = (data, headers, time.monotonic())
+        self._offered += 1
+        self._offered_bytes += len(data)
+        while self._offered > MAX_OFFERS or self._offered_bytes > MAX_OFFER_BYTES:
+            oldest = min(self._offers, key=lambda lane: min(self._offers[lane]))
+            self._drop_offer(oldest, min(self._offers[oldest]))
+        self.arrived(lane)
+        return True
+
+    def _drop_offer(self, lane: str, seq: int) -> tuple[bytes, dict[str, str]]:
+        offers = self._offers[lane]
+        data, headers, _ = offers.pop(seq)
+        self._offered -= 1
+        self._offered_bytes -= len(data)
+        if not offers:
+            del self._offers[lane]
+        return data, headers
+
+    def _take_offer(self, lane: str) -> tuple[int, Claimed] | None:
+        """The oldest request offered in ``lane``, when every request known to wait there was."""
+        offers = self._offers.get(lane)
+        if not offers or self._backlog.get(lane, 0) > len(offers):
+            return None
+        seq = min(offers)
+        data, headers = self._drop_offer(lane, seq)
+        return seq, Claimed(lane, data, headers, "direct")
+
+    def _forget_offers(self, now: float) -> None:
+        """Drop old offers in lanes where the queue's counts show no request.
+
+        A recent one stays, and counts as waiting: the counts may have been
+        read before its request was stored.
+        """
+        for lane in [lane for lane in self._offers if lane not in self._backlog]:
+            for seq, (_, _, at) in list(self._offers[lane].items()):
+                if now - at > OFFER_KEPT_S:
+                    self._drop_offer(lane, seq)
+            if lane in self._offers:
+                self._backlog[lane] = len(self._offers[lane])
 
     def ripe_in(self) -> float | None:
         """Seconds until a request in another worker's direct lane may be taken (None: none)."""
@@ -124,7 +195,7 @@ class WorkClaims:
             subject = self._pick()
             if subject is None:
                 return None
-            got = await self._oldest(subject)
+            got = self._take_offer(subject) or await self._oldest(subject)
             if got is None:
                 if subject in self._backlog:
                     self._backlog.pop(subject)  # emptied by others since the counts
@@ -237,6 +308,7 @@ class WorkClaims:
         self._ripe_at = {s: at for s, at in self._ripe_at.items() if s in self._backlog}
         for subject in self._backlog:
             self._watch(subject, now)
+        self._forget_offers(now)
 
     async def _oldest(self, subject: str) -> tuple[int, Claimed] | None:
         """The oldest request on ``subject`` (a lane, or a wildcard of lanes) and its seq."""

@@ -307,9 +307,23 @@ class WorkerConsumer:
         self.claims.arrived(lane)
         self._arrival.set()
 
+    async def _on_offer(self, msg: Msg) -> None:
+        headers = dict(msg.headers or {})
+        lane = headers.pop("Tollgate-Lane", "")
+        try:
+            seq = int(headers.pop("Tollgate-Seq", ""))
+        except ValueError:
+            log.warning("offer without a sequence ignored")
+            return
+        self.claims.offered(lane, seq, msg.data, headers)
+        self._arrival.set()
+
     async def _pull_loop(self) -> None:
         """Take a request whenever a slot is free (see :mod:`services.worker.claims`)."""
         sub = await self.nc.subscribe(self.subjects.arrivals(self.model_id), cb=self._on_arrival)
+        offers = await self.nc.subscribe(
+            self.subjects.offer(self.model_id, self.worker_id), cb=self._on_offer
+        )
         while not self._stopping.is_set():
             if len(self.inflight) >= self.engine.slots_total:
                 self._slot_freed.clear()
@@ -340,8 +354,9 @@ class WorkerConsumer:
             if self.metrics is not None:
                 self.metrics.claims.labels(self.model_id, claimed.source).inc()
             self._accept(claimed)
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+        for subscription in (sub, offers):
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
         log.info("stopped taking requests")
 
     def _accept(self, claimed: Claimed) -> None:

@@ -387,3 +387,114 @@ async def test_fair_share_counts_a_direct_lane_under_its_tenant_and_key(
     acme = [c.subject for c in taken if c is not None and "acme" in c.subject]
     assert acme == [acme_direct] * 4 + [acme_shared] * 4  # its own lane first
     assert await queued(server, model) == 0
+
+
+# -- offers (a direct request sent to its worker with its body) ------------------
+
+
+async def publish_offered(router: NATS, subjects: list[str]) -> list[tuple[int, bytes]]:
+    """Publish one request per subject as a router does for direct lanes: (seq, body) each."""
+    js = router.jetstream()
+    sent = []
+    for i, subject in enumerate(subjects):
+        body = f'{{"offered": {i}}}'.encode()
+        ack = await js.publish(subject, body, headers={"Tollgate-Request-Id": f"r{i}"})
+        sent.append((ack.seq, body))
+    return sent
+
+
+class CountingReads(WorkClaims):
+    """WorkClaims that counts its reads of the queue (direct gets)."""
+
+    reads = 0
+
+    async def _oldest(self, subject: str):  # type: ignore[no-untyped-def]
+        self.reads += 1
+        return await super()._oldest(subject)
+
+
+async def test_an_offered_request_is_claimed_without_reading_the_queue(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    model = "sim/claims-offer"
+    mine = direct("acme", "w-1", model)
+    sent = await publish_offered(router, [mine, mine])
+    claims = CountingReads(worker, S, model, "w-1")
+    for seq, body in sent:
+        assert claims.offered(mine, seq, body, {"Tollgate-Request-Id": "r"})
+    taken = [await claims.take() for _ in range(2)]
+    assert [(c.data, c.source, c.subject) for c in taken if c is not None] == [
+        (body, "direct", mine) for _, body in sent
+    ]
+    assert taken[0] is not None and taken[0].headers == {"Tollgate-Request-Id": "r"}
+    assert claims.reads == 0  # claimed by deleting the offered message alone
+    assert await claims.take() is None
+    assert await queued(server, model) == 0
+
+
+async def test_an_offer_another_worker_took_first_is_dropped_and_runs_nowhere_twice(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    model = "sim/claims-offer-taken"
+    mine = direct("acme", "w-1", model)
+    [(seq, body)] = await publish_offered(router, [mine])
+    other = WorkClaims(worker, S, model, "w-2", spill_after_s=0)  # it spilled to w-2
+    spilled = await other.take()
+    assert spilled is not None and (spilled.data, spilled.source) == (body, "spilled")
+    claims = CountingReads(worker, S, model, "w-1")
+    assert claims.offered(mine, seq, body, {})
+    assert await claims.take() is None  # the delete failed: not this worker's to run
+    assert claims._offered == 0
+
+
+async def test_a_lane_holding_more_than_its_offers_is_read_oldest_first(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    """A request queued before the offers (this worker's earlier run got it) goes first."""
+    model = "sim/claims-offer-older"
+    mine = direct("acme", "w-1", model)
+    sent = await publish_offered(router, [mine, mine, mine])
+    claims = CountingReads(worker, S, model, "w-1")
+    claims.arrived()  # counts read from the queue: 3 waiting
+    await claims._read_backlog()
+    for seq, body in sent[1:]:  # the first was never offered
+        claims.offered(mine, seq, body, {})
+    taken = [await claims.take() for _ in range(3)]
+    assert [c.data for c in taken if c is not None] == [body for _, body in sent]
+    assert claims.reads >= 1
+    assert await queued(server, model) == 0
+
+
+@pytest.mark.parametrize(
+    "subject_of",
+    [
+        lambda model: direct("acme", "w-2", model),  # another worker's direct lane
+        lambda model: lane("acme", model=model),  # a shared lane
+        lambda model: direct("acme", "w-1", "sim/another-model"),  # another model's
+        lambda model: "tg.usage.acme.plain",  # not a lane
+    ],
+    ids=["others-direct", "shared", "other-model", "not-a-lane"],
+)
+async def test_offers_outside_the_worker_s_own_direct_lanes_are_not_taken_as_offers(
+    router: NATS, worker: NATS, server: NatsServer, subject_of
+) -> None:  # type: ignore[no-untyped-def]
+    model = "sim/claims-offer-foreign"
+    claims = WorkClaims(worker, S, model, "w-1")
+    assert not claims.offered(subject_of(model), 1, b"{}", {})
+    assert claims._offered == 0
+
+
+async def test_offers_are_bounded_oldest_dropped_first(worker: NATS) -> None:
+    from services.worker import claims as module
+
+    claims = WorkClaims(worker, S, "sim/claims-offer-bound", "w-1")
+    mine = direct("acme", "w-1", "sim/claims-offer-bound")
+    for seq in range(1, module.MAX_OFFERS + 11):
+        claims.offered(mine, seq, b"x" * 10, {})
+    assert claims._offered == module.MAX_OFFERS
+    assert min(claims._offers[mine]) == 11  # the ten oldest went
+    big = b"y" * (module.MAX_OFFER_BYTES // 2 + 1)
+    claims.offered(mine, 10_000, big, {})
+    claims.offered(mine, 10_001, big, {})
+    assert claims._offered_bytes <= module.MAX_OFFER_BYTES
+    assert 10_001 in claims._offers[mine]

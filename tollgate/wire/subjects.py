@@ -279,6 +279,10 @@ class Subjects:
     def arrivals_all(self) -> str:
         return f"{self.prefix}.arrivals.*"
 
+    def offer(self, model_id: str, worker_id: str) -> str:
+        """A request queued in one worker's direct lane, offered to that worker with its body."""
+        return f"{self.prefix}.offers.{model_token(model_id)}.{model_token(worker_id)}"
+
     @property
     def audit(self) -> str:
         """Changes to the whitelist and the signing keys (JetStream)."""

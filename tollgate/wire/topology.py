@@ -490,12 +490,21 @@ class Topology:
                 contract=c.WorkerHeartbeat,
             ),
             SubjectSpec(
-                "arrivals: one small event per request queued (no body); "
+                "arrivals: one small event per request queued in a shared lane (no body); "
                 "wakes the model's idle workers",
                 f"{p}.arrivals.<model>",
                 _roles(R.ROUTER),
                 _roles(R.SCALER, R.WORKER),
                 contract=c.Arrival,
+            ),
+            SubjectSpec(
+                "offers: a request queued in one worker's direct lane, sent to that "
+                "worker with its body and queue sequence (headers Tollgate-Seq, "
+                "Tollgate-Lane), so it claims it without reading the queue",
+                f"{p}.offers.<model>.<worker>",
+                _roles(R.ROUTER),
+                _roles(R.WORKER),
+                contract=c.InferenceRequest,
             ),
             SubjectSpec(
                 "tell one worker to drain and exit",
