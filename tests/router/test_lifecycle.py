@@ -54,6 +54,7 @@ from tests.conftest import NatsServer
 from tests.lib.net import free_port
 from tests.lib.streams import read_subject
 from tollgate.models.catalog import Catalog, ModelEntry
+from tollgate.runtime.tasks import stop_tasks
 from tollgate.wire import codec
 from tollgate.wire.contracts import (
     CancelRequest,
@@ -142,10 +143,9 @@ class ScriptedWorker:
         self._beating.cancel()
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._beating, *self._tasks) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # cancelled until they end: a cancel that meets a reply inside nats.py's
+        # request can be absorbed, and the pull loop would poll on forever
+        await stop_tasks(*(t for t in (self._beating, *self._tasks) if t is not None))
 
     async def _beat(self) -> None:
         beat = WorkerHeartbeat(
