@@ -2,7 +2,11 @@
 
 Each event is first written to a local durable outbox (an SQLite journal
 under ``var/``), then published to the usage stream with ``Nats-Msg-Id`` =
-request id, and removed from the outbox once the stream acknowledged it.
+request id, and removed from the outbox once the stream acknowledged it:
+removals wait to ride in the next event's transaction (or, when no event
+comes, a batch a moment later), so a call costs the outbox two commits, not
+three. An event acknowledged but not yet removed when the router dies is
+published again by its next run, and the stream drops the copy.
 Events that could not be published (NATS down) are retried in order, and a
 router that restarts replays what its outbox still holds: a NATS outage
 delays usage events, it never drops them. A duplicate publish is dropped by
@@ -25,7 +29,7 @@ import contextlib
 import logging
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,11 @@ from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Role, Topology
 
 log = logging.getLogger("tollgate.router.usage")
+
+# Acknowledged events are removed from the outbox with the next event's
+# write, or at the latest this long after, or at once when this many wait.
+REMOVE_AFTER_S = 0.25
+REMOVE_BATCH = 256
 
 
 class Outbox:
@@ -82,8 +91,14 @@ class Outbox:
         )
         return [(rid, orjson.loads(data)) for rid, data in rows.fetchall()]
 
-    def add(self, request_id: str, subject: str, data: bytes) -> None:
-        """Journal the call's event; it replaces the call's open record (one transaction)."""
+    def add(
+        self, request_id: str, subject: str, data: bytes, published: Sequence[str] = ()
+    ) -> None:
+        """Journal the call's event; it replaces the call's open record (one transaction).
+
+        ``published``: events the stream has acknowledged, removed in the same
+        transaction.
+        """
         self.db.execute("BEGIN")
         try:
             self.db.execute(
@@ -91,13 +106,29 @@ class Outbox:
                 (request_id, subject, data),
             )
             self.db.execute("DELETE FROM open_calls WHERE request_id = ?", (request_id,))
+            self._remove(published)
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
         self.db.execute("COMMIT")
 
-    def remove(self, request_id: str) -> None:
-        self.db.execute("DELETE FROM events WHERE request_id = ?", (request_id,))
+    def remove(self, request_ids: Sequence[str]) -> None:
+        """Remove published events (one transaction)."""
+        if not request_ids:
+            return
+        self.db.execute("BEGIN")
+        try:
+            self._remove(request_ids)
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def _remove(self, request_ids: Sequence[str]) -> None:
+        if request_ids:
+            self.db.executemany(
+                "DELETE FROM events WHERE request_id = ?", [(rid,) for rid in request_ids]
+            )
 
     def pending(self, limit: int = 1000) -> list[tuple[str, str, bytes]]:
         rows = self.db.execute(
@@ -127,6 +158,10 @@ class UsagePublisher:
         self._replayer: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
+        # acknowledged events still in the outbox, removed with the next event
+        # or by the timer (see the module's docs)
+        self._published: list[str] = []
+        self._removal: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         topology = Topology(self.subjects)
@@ -160,7 +195,12 @@ class UsagePublisher:
         """
         subject = self.subjects.usage(event.tenant, budget)
         data = codec.encode(event)
-        self.outbox.add(event.request_id, subject, data)
+        published, self._published = self._published, []
+        try:
+            self.outbox.add(event.request_id, subject, data, published)
+        except BaseException:
+            self._published[:0] = published  # still to remove
+            raise
         task = asyncio.create_task(self._publish(event.request_id, subject, data))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
@@ -177,14 +217,34 @@ class UsagePublisher:
             )
             self._wake.set()
             return False
-        self.outbox.remove(request_id)
+        self._published.append(request_id)
+        if len(self._published) >= REMOVE_BATCH:
+            self._remove_published()
+        elif self._removal is None:
+            self._removal = asyncio.get_running_loop().call_later(
+                REMOVE_AFTER_S, self._remove_published
+            )
         return True
+
+    def _remove_published(self) -> None:
+        """Remove the acknowledged events no later event has taken out yet."""
+        if self._removal is not None:
+            self._removal.cancel()
+            self._removal = None
+        published, self._published = self._published, []
+        try:
+            self.outbox.remove(published)
+        except Exception as exc:  # kept: published again later, and the stream drops the copy
+            log.warning("published events left in the outbox: %s: %s", type(exc).__name__, exc)
 
     async def _replay_loop(self) -> None:
         """Publish what the outbox holds (from a failure or an earlier run), in order."""
         while not self._stopping:
             rows = self.outbox.pending()
+            published = set(self._published)
             for request_id, subject, data in rows:
+                if request_id in published:
+                    continue
                 if self._stopping or not await self._publish(request_id, subject, data):
                     break
             self._wake.clear()
@@ -206,9 +266,11 @@ class UsagePublisher:
         if self._replayer is not None:
             self._replayer.cancel()
             await asyncio.gather(self._replayer, return_exceptions=True)
+        published = set(self._published)
         for request_id, subject, data in self.outbox.pending():
-            if not await self._publish(request_id, subject, data):
+            if request_id not in published and not await self._publish(request_id, subject, data):
                 break
+        self._remove_published()
         self.outbox.close()
 
 

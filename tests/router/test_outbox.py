@@ -88,3 +88,53 @@ async def test_outage_delays_events_and_a_restart_replays_them(
     await publisher.flush()
     await nc.close()
     assert await stream_count(own_nats) == 120
+
+
+async def test_published_events_leave_with_the_next_event_or_soon_after(
+    own_nats: NatsServer, tmp_path: Path
+) -> None:
+    """Two commits per call: an acknowledged event is removed in the next event's
+    transaction, or by a batch shortly after; one acknowledged but still in the
+    outbox when the router dies is published again, and the stream drops the copy."""
+    path = tmp_path / "outbox.db"
+    nc = await own_nats.connect(name="test-router")
+    publisher = UsagePublisher(nc.jetstream(), SUBJECTS, Outbox(path), retry_every_s=60)
+    await publisher.start()
+
+    async def acknowledged(request_id: str) -> None:
+        deadline = time.monotonic() + 10
+        while request_id not in publisher._published:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+
+    publisher.emit(event(0))
+    await acknowledged("req-0")
+    assert [row[0] for row in publisher.outbox.pending()] == ["req-0"]  # not removed yet
+    publisher.emit(event(1))  # its transaction takes req-0 out
+    assert [row[0] for row in publisher.outbox.pending()] == ["req-1"]
+    deadline = time.monotonic() + 5
+    while len(publisher.outbox) > 0:  # nothing follows: the batch removes req-1
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+
+    publisher.emit(event(2))
+    await acknowledged("req-2")
+    # killed before the removal: nothing flushed, the journal stays as it is
+    assert publisher._replayer is not None
+    publisher._replayer.cancel()
+    assert publisher._removal is not None
+    publisher._removal.cancel()
+    publisher.outbox.close()
+    await nc.close()
+    assert [row[0] for row in Outbox(path).pending()] == ["req-2"]
+
+    nc = await own_nats.connect(name="test-router")
+    publisher = UsagePublisher(nc.jetstream(), SUBJECTS, Outbox(path), retry_every_s=0.1)
+    await publisher.start()
+    deadline = time.monotonic() + 10
+    while len(publisher.outbox) > 0:  # replayed, acknowledged (as a duplicate), removed
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    await publisher.flush()
+    await nc.close()
+    assert await stream_count(own_nats) == 3
