@@ -34,6 +34,10 @@ from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.dispatch")
 
+# How often a router reads the work queue's creation time again while its
+# connection stays up (the queue may have been deleted and created again).
+QUEUE_CHECK_S = 30.0
+
 # JetStream's refusals of a message that would pass the work queue's limits
 # (messages, bytes, messages per lane).
 _QUEUE_FULL = frozenset({10077, 10047, 10159})
@@ -53,6 +57,7 @@ class Call:
         "direct_to",
         "end_msg",
         "first_output_at",
+        "offer",
         "queue",
         "reconnects",
         "request",
@@ -74,6 +79,7 @@ class Call:
         self.worker_id: str | None = None
         # the worker whose direct lane it was sent to (cache-aware routing), if any
         self.direct_to: str | None = None
+        self.offer = False  # offered to that worker, which claims offers
         self.running_on: str | None = None  # the worker it counts as running on
         self.cancelled = False
         self.submitted_at = time.monotonic()
@@ -110,6 +116,10 @@ class Dispatcher:
         # this router's calls running on each worker, now and when its latest beat came
         self._running: dict[str, int] = {}
         self._running_at_beat: dict[str, int] = {}
+        # the work queue's creation time (its identity, which offers carry), and
+        # this connection's reconnects and the time when it was read
+        self._created: str | None = None
+        self._created_read: tuple[int, float] = (-1, 0.0)
 
     async def start(self, model_ids: Iterable[str], body_limit: int | None = None) -> None:
         """Create the work queue and each model's worker consumer, then take chunks.
@@ -163,14 +173,18 @@ class Dispatcher:
             with contextlib.suppress(Exception):  # not acknowledged: the worker keeps it
                 await msg.respond(b"")
 
-    async def submit(self, request: InferenceRequest, worker_id: str | None = None) -> Call:
+    async def submit(
+        self, request: InferenceRequest, worker_id: str | None = None, offer: bool = False
+    ) -> Call:
         """Register the call, then publish it to its lane of the model's work queue.
 
-        With ``worker_id``, to that worker's direct lane (cache-aware routing).
+        With ``worker_id``, to that worker's direct lane (cache-aware routing),
+        and ``offer``: offered to that worker (it says it claims offers).
         """
         call = Call(request)
         call.reconnects = int(self.nc.stats["reconnects"])
         call.direct_to = worker_id
+        call.offer = offer and worker_id is not None
         await self._publish(call)
         return call
 
@@ -222,6 +236,7 @@ class Dispatcher:
         self._stopped(call)
         self._calls.pop(call.token, None)
         call.direct_to = None  # to the shared queue: any worker
+        call.offer = False
         attempt = call.request.attempt + 1
         call.token = f"{call.request.request_id}~{attempt}"
         call.request = call.request.model_copy(
@@ -259,6 +274,7 @@ class Dispatcher:
                 ack = await self.js.publish(subject, data, headers=headers, timeout=5)
             except NoStreamResponseError:
                 # The in-memory stream is gone (NATS restarted): recreate it once.
+                self._created = None
                 await self.topology.ensure_work(self.js)
                 ack = await self.js.publish(subject, data, headers=headers, timeout=5)
         except BaseException as exc:
@@ -272,10 +288,40 @@ class Dispatcher:
             raise
         call.seq = ack.seq
         self._unstarted.setdefault(request.model, {})[call.token] = time.monotonic()
-        if call.direct_to is not None:
-            await self._offer(request.model, call.direct_to, ack.seq, subject, data, headers)
+        created = await self._queue_created() if call.offer else None
+        if call.direct_to is not None and created is not None:
+            offer = {**headers, "Tollgate-Seq": str(ack.seq), "Tollgate-Lane": subject}
+            offer["Tollgate-Stream"] = created
+            await self._offer(request.model, call.direct_to, data, offer)
         else:
             await self._announce(request, subject)
+
+    async def _queue_created(self) -> str | None:
+        """The work queue's creation time; None when it cannot be read now.
+
+        Read again after every reconnect (a restarted server's queue is a new
+        one) and every ``QUEUE_CHECK_S``.
+        """
+        reconnects = int(self.nc.stats["reconnects"])
+        read = (reconnects, time.monotonic())
+        if (
+            self._created is not None
+            and self._created_read[0] == reconnects
+            and read[1] - self._created_read[1] < QUEUE_CHECK_S
+        ):
+            return self._created
+        self._created = None
+        try:
+            reply = await self.nc.request(
+                f"$JS.API.STREAM.INFO.{self.subjects.infer_stream}", b"", timeout=2
+            )
+            created = orjson.loads(reply.data).get("created")
+        except Exception as exc:
+            log.debug("work queue unread: %s: %s", type(exc).__name__, exc)
+            return None
+        if isinstance(created, str):
+            self._created, self._created_read = created, read
+        return self._created
 
     async def _announce(self, request: InferenceRequest, lane: str) -> None:
         """Tell the scaler and the model's idle workers that a request waits (no body).
@@ -291,21 +337,20 @@ class Dispatcher:
             log.warning("arrival not announced: %s: %s", type(exc).__name__, str(exc))
 
     async def _offer(
-        self, model: str, worker_id: str, seq: int, lane: str, data: bytes, headers: dict[str, str]
+        self, model: str, worker_id: str, data: bytes, headers: dict[str, str]
     ) -> None:
         """Offer a request in a worker's direct lane to that worker, body included.
 
-        Sent once the request is in the queue, with its sequence there: the
-        worker claims it by deleting that message, without reading the queue
-        first. Nobody else needs an arrival: other workers may take it only
-        once it spills, and find it when they next read the lanes' counts;
-        the scaler follows arrivals only for a model without a ready worker,
-        and a direct lane's worker was ready.
+        Sent once the request is in the queue, with its sequence there and
+        the queue's creation time: the worker claims it by deleting that
+        message, without reading the queue first. Nobody else needs an
+        arrival: other workers may take it only once it spills, and find it
+        when they next read the lanes' counts; the scaler follows arrivals
+        only for a model without a ready worker, and a direct lane's worker
+        was ready.
         """
-        subject = self.subjects.offer(model, worker_id)
-        offer_headers = {**headers, "Tollgate-Seq": str(seq), "Tollgate-Lane": lane}
         try:
-            await self.nc.publish(subject, data, headers=offer_headers)
+            await self.nc.publish(self.subjects.offer(model, worker_id), data, headers=headers)
         except Exception as exc:  # the worker also reads its lanes every second
             log.warning("offer not sent: %s: %s", type(exc).__name__, str(exc))
 

@@ -346,7 +346,7 @@ class OpenAIServing:
         if self.metrics is not None:
             self.metrics.affinity.labels(prepared.entry.id, decision).inc()
         try:
-            return await self.dispatcher.submit(request, worker_id)
+            return await self.dispatcher.submit(request, worker_id, self._takes_offers(worker_id))
         except TollgateError:
             raise
         except QueueFull:
@@ -355,6 +355,11 @@ class OpenAIServing:
             # str(exc): a log record kept by a handler must not hold the call's frames
             log.warning("dispatch failed: %s: %s", type(exc).__name__, str(exc))
             raise self._unavailable("The model's queue cannot be reached. Please retry.") from None
+
+    def _takes_offers(self, worker_id: str | None) -> bool:
+        """Whether the worker chosen for a direct request claims offers (its latest beat)."""
+        seen = self.workers.get(worker_id) if worker_id is not None else None
+        return seen is not None and seen.beat.takes_offers
 
     def _unavailable(self, message: str) -> ServiceUnavailable:
         return ServiceUnavailable(

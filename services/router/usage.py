@@ -6,7 +6,9 @@ request id, and removed from the outbox once the stream acknowledged it:
 removals wait to ride in the next event's transaction (or, when no event
 comes, a batch a moment later), so a call costs the outbox two commits, not
 three. An event acknowledged but not yet removed when the router dies is
-published again by its next run, and the stream drops the copy.
+published again by its next run: the stream drops the copy within its
+duplicate window (10 minutes), and metering drops copies by request id at
+any time.
 Events that could not be published (NATS down) are retried in order, and a
 router that restarts replays what its outbox still holds: a NATS outage
 delays usage events, it never drops them. A duplicate publish is dropped by
@@ -201,6 +203,9 @@ class UsagePublisher:
         except BaseException:
             self._published[:0] = published  # still to remove
             raise
+        if published and not self._published and self._removal is not None:
+            self._removal.cancel()  # nothing left for it to remove
+            self._removal = None
         task = asyncio.create_task(self._publish(event.request_id, subject, data))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)

@@ -8,8 +8,9 @@ worker with a free slot:
 
 1. knows how many requests wait in each lane of its model: the stream's
    per-subject counts, read at least every second and after a lost race,
-   plus one for each arrival a router announces in a lane since (so a worker
-   that keeps up takes each request without reading the counts again);
+   plus one for each arrival a router announces in a shared lane since, and
+   each request offered in its own direct lanes (so a worker that keeps up
+   takes each request without reading the counts again);
 2. picks a lane by fair share (:class:`~services.worker.fairshare.FairShare`),
    counting a direct lane under its shared lane's class, tenant and key, and
    taking from its own direct lane before the shared one within that group;
@@ -22,13 +23,21 @@ worker with a free slot:
    delete is the claim: of several workers that read the same request, the
    one whose delete succeeds runs it; the others read the next one.
 
-A router that puts a request in this worker's direct lane also *offers* it
-to this worker (:meth:`WorkClaims.offered`): the body with its sequence in
-the queue. When fair share picks that lane and every request known to wait
-there was offered, the worker deletes the oldest offered one straight away,
-without the read: a claim in one round trip instead of two. An offer whose
-delete fails (another worker took the request after its wait, or its router
-withdrew it) is dropped.
+A router that puts a request in this worker's direct lane *offers* it to
+this worker (:meth:`WorkClaims.offered`) instead of announcing an arrival:
+the body, with its sequence in the queue and the queue's creation time.
+When fair share picks that lane and every request known to wait there was
+offered, the worker deletes the oldest offered one straight away, without
+the read: a claim in one round trip instead of two. An offer whose delete
+fails (another worker took the request after its wait, or its router
+withdrew it) is dropped; so is every offer once the queue turns out to have
+been created again (a restarted server counts sequences from 1 again, so an
+old sequence may name another request), and an offer for a queue this
+worker has not read since it last reconnected only counts as an arrival.
+
+Other workers learn of a direct request from the counts (read at least every
+second): a lane first seen there opens at once, and the request's own
+timestamp in the stream decides whether it has waited ``spill_after_s``.
 
 A request stays in the stream until a worker claims it, so it survives a
 cold start (no worker yet) and is never lost with a worker that dies before
@@ -64,9 +73,6 @@ _TRIES = 32
 # the worker finds it by reading.
 MAX_OFFERS = 256
 MAX_OFFER_BYTES = 64 * 1024 * 1024
-# How long an offer whose lane the queue's counts no longer show is kept (the
-# counts may have been read just before its request was stored).
-OFFER_KEPT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -117,10 +123,16 @@ class WorkClaims:
         # True when the last take gave up after losing every race to other
         # workers: requests still wait
         self.contended = False
-        # requests offered to this worker, by direct lane: seq -> (body, headers, when)
-        self._offers: dict[str, dict[int, tuple[bytes, dict[str, str], float]]] = {}
-        self._offered = 0  # how many
+        # requests offered to this worker, by their sequence in the queue
+        self._offers: dict[int, _Offer] = {}
         self._offered_bytes = 0
+        # the queue as last read: its creation time (its identity: a restarted
+        # server's memory stream counts sequences from 1 again), its first and
+        # last sequence, and this connection's reconnects when it was read
+        self._created: str | None = None
+        self._first_seq = 0
+        self._last_seq = 0
+        self._read_reconnects = -1
 
     def arrived(self, lane: str | None = None) -> None:
         """A router announced a request for this model, in ``lane`` when it says."""
@@ -130,56 +142,75 @@ class WorkClaims:
         else:
             self._stale = True
 
-    def offered(self, lane: str, seq: int, data: bytes, headers: dict[str, str]) -> bool:
+    def offered(
+        self, lane: str, seq: int, data: bytes, headers: dict[str, str], stream: str | None
+    ) -> bool:
         """A router put a request in this worker's direct ``lane`` and offers it (see the docs).
 
-        False (and only counted as an arrival) when ``lane`` is not one of
-        this worker's direct lanes, or fair share is off (first come, first
-        served compares the lanes' oldest requests, which only reading gives).
+        ``stream``: the creation time of the queue the router published to.
+        False when the offer is only taken as news that a request waits:
+        ``lane`` is not one of this worker's direct lanes; fair share is off
+        (first come, first served compares the lanes' oldest requests, which
+        only reading gives); or the offer may name a sequence of another queue
+        than the one this worker last read (the server restarted, or this
+        worker has not read the queue since it reconnected), where that
+        sequence may be another request.
         """
         parsed = Lane.parse(lane) if lane.startswith(self._prefix) else None
         if parsed is None or self.me is None or parsed.worker != self.me or not self.fair:
             self.arrived(lane if parsed is not None else None)
             return False
-        self._offers.setdefault(lane, {})[seq] = (data, headers, time.monotonic())
-        self._offered += 1
+        if (
+            stream is None
+            or stream != self._created
+            or self.nc.stats["reconnects"] != self._read_reconnects
+        ):
+            self._stale = True  # read the queue again: the request is counted there
+            return False
+        if seq < self._first_seq:
+            return False  # no longer in the queue
+        self._drop_offer(seq)  # an offer of the same request again replaces it
+        self._offers[seq] = _Offer(lane, data, headers)
         self._offered_bytes += len(data)
-        while self._offered > MAX_OFFERS or self._offered_bytes > MAX_OFFER_BYTES:
-            oldest = min(self._offers, key=lambda lane: min(self._offers[lane]))
-            self._drop_offer(oldest, min(self._offers[oldest]))
-        self.arrived(lane)
+        while len(self._offers) > MAX_OFFERS or self._offered_bytes > MAX_OFFER_BYTES:
+            self._drop_offer(next(iter(self._offers)))  # the one that came first
+        if seq > self._last_seq:  # stored after the counts were read: not counted there
+            self.arrived(lane)
         return True
 
-    def _drop_offer(self, lane: str, seq: int) -> tuple[bytes, dict[str, str]]:
-        offers = self._offers[lane]
-        data, headers, _ = offers.pop(seq)
-        self._offered -= 1
-        self._offered_bytes -= len(data)
-        if not offers:
-            del self._offers[lane]
-        return data, headers
+    def _drop_offer(self, seq: int) -> _Offer | None:
+        offer = self._offers.pop(seq, None)
+        if offer is not None:
+            self._offered_bytes -= len(offer.data)
+        return offer
 
     def _take_offer(self, lane: str) -> tuple[int, Claimed] | None:
         """The oldest request offered in ``lane``, when every request known to wait there was."""
-        offers = self._offers.get(lane)
-        if not offers or self._backlog.get(lane, 0) > len(offers):
+        seqs = [seq for seq, offer in self._offers.items() if offer.lane == lane]
+        if not seqs or self._backlog.get(lane, 0) > len(seqs):
             return None
-        seq = min(offers)
-        data, headers = self._drop_offer(lane, seq)
-        return seq, Claimed(lane, data, headers, "direct")
+        seq = min(seqs)
+        offer = self._offers.pop(seq)
+        self._offered_bytes -= len(offer.data)
+        return seq, Claimed(lane, offer.data, offer.headers, "direct")
 
-    def _forget_offers(self, now: float) -> None:
-        """Drop old offers in lanes where the queue's counts show no request.
+    def _forget_offers(self, created_again: bool) -> None:
+        """After a read of the queue: drop the offers whose requests are gone.
 
-        A recent one stays, and counts as waiting: the counts may have been
-        read before its request was stored.
+        All of them when the queue was created again; else those stored
+        before the read (so counted by it) in a lane it found empty, and
+        those below its first sequence. Offers stored after the read are
+        added to the counts.
         """
-        for lane in [lane for lane in self._offers if lane not in self._backlog]:
-            for seq, (_, _, at) in list(self._offers[lane].items()):
-                if now - at > OFFER_KEPT_S:
-                    self._drop_offer(lane, seq)
-            if lane in self._offers:
-                self._backlog[lane] = len(self._offers[lane])
+        if created_again:
+            self._offers.clear()
+            self._offered_bytes = 0
+            return
+        for seq, offer in list(self._offers.items()):
+            if seq < self._first_seq or (seq <= self._last_seq and offer.lane not in self._backlog):
+                self._drop_offer(seq)
+            elif seq > self._last_seq:
+                self._backlog[offer.lane] = self._backlog.get(offer.lane, 0) + 1
 
     def ripe_in(self) -> float | None:
         """Seconds until a request in another worker's direct lane may be taken (None: none)."""
@@ -190,7 +221,12 @@ class WorkClaims:
         """The next request for this worker; None when no lane holds one it may take."""
         self.contended = False
         for _ in range(_TRIES):
-            if self._stale or self._age() > REFRESH_EVERY_S:
+            if (
+                self._stale
+                or self._age() > REFRESH_EVERY_S
+                # held offers may name sequences of a queue a restarted server lost
+                or self.nc.stats["reconnects"] != self._read_reconnects
+            ):
                 await self._read_backlog()
             subject = self._pick()
             if subject is None:
@@ -214,6 +250,7 @@ class WorkClaims:
             if not await self._delete(seq):
                 self._stale = True  # other workers are taking from these lanes
                 continue  # another worker had it first
+            self._drop_offer(seq)  # claimed by reading: its offer, if any, is spent
             left = self._backlog.get(claimed.subject, 1) - 1
             if left > 0:
                 self._backlog[claimed.subject] = left
@@ -270,11 +307,16 @@ class WorkClaims:
             return group
         return spilling.get(group)
 
-    def _watch(self, subject: str, now: float) -> None:
-        """Start the wait of another worker's direct lane that holds requests."""
+    def _watch(self, subject: str, now: float, counted: bool = False) -> None:
+        """Start the wait of another worker's direct lane that holds requests.
+
+        A lane announced now waits from now; one first seen in the queue's
+        counts (``counted``) may hold a request that has waited a while, so
+        it opens at once and the request's own timestamp decides (:meth:`_spills`).
+        """
         lane = Lane.parse(subject)
         if lane is not None and lane.worker is not None and lane.worker != self.me:
-            self._ripe_at.setdefault(subject, now + self.spill_after_s)
+            self._ripe_at.setdefault(subject, now if counted else now + self.spill_after_s)
 
     def _spills(self, claimed: Claimed) -> bool:
         """Whether the request read from another worker's direct lane has waited long enough.
@@ -298,17 +340,24 @@ class WorkClaims:
     async def _read_backlog(self) -> None:
         self._stale = False
         now = self._read_at = time.monotonic()
+        reconnects = int(self.nc.stats["reconnects"])
         request = orjson.dumps({"subjects_filter": self.lanes})
         reply = await self.nc.request(f"{self._api}.STREAM.INFO.{self.stream}", request, timeout=5)
         info = orjson.loads(reply.data)
         if "error" in info:
             raise RuntimeError(f"work queue: {info['error'].get('description', info['error'])}")
-        counts = info.get("state", {}).get("subjects") or {}
+        state = info.get("state", {})
+        counts = state.get("subjects") or {}
         self._backlog = {subject: int(n) for subject, n in counts.items()}
         self._ripe_at = {s: at for s, at in self._ripe_at.items() if s in self._backlog}
         for subject in self._backlog:
-            self._watch(subject, now)
-        self._forget_offers(now)
+            self._watch(subject, now, counted=True)
+        created = info.get("created")
+        created_again = created != self._created
+        self._created, self._read_reconnects = created, reconnects
+        self._first_seq = int(state.get("first_seq", 0))
+        self._last_seq = int(state.get("last_seq", 0))
+        self._forget_offers(created_again)
 
     async def _oldest(self, subject: str) -> tuple[int, Claimed] | None:
         """The oldest request on ``subject`` (a lane, or a wildcard of lanes) and its seq."""
@@ -335,6 +384,15 @@ class WorkClaims:
             f"{self._api}.STREAM.MSG.DELETE.{self.stream}", request, timeout=5
         )
         return bool(orjson.loads(reply.data).get("success"))
+
+
+@dataclass
+class _Offer:
+    """A request a router offered this worker (see :meth:`WorkClaims.offered`)."""
+
+    lane: str
+    data: bytes
+    headers: dict[str, str]
 
 
 def _stamp(value: str | None) -> float | None:

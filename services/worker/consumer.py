@@ -153,6 +153,8 @@ class WorkerConsumer:
         self._cancelled: dict[str, float] = {}
         self._slot_freed = asyncio.Event()
         self._arrival = asyncio.Event()
+        # subscribed to its offers (and under fair share, which uses them): its beats say so
+        self._takes_offers = False
         self.claims = WorkClaims(
             nc,
             subjects,
@@ -255,6 +257,7 @@ class WorkerConsumer:
             prefix_cache_hits=stats.prefix_cache_hits,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             tokens_total=self.tokens_total,
+            takes_offers=self._takes_offers,
         )
 
     async def fall_silent(self, seconds: float) -> None:
@@ -310,12 +313,13 @@ class WorkerConsumer:
     async def _on_offer(self, msg: Msg) -> None:
         headers = dict(msg.headers or {})
         lane = headers.pop("Tollgate-Lane", "")
+        stream = headers.pop("Tollgate-Stream", None)
         try:
             seq = int(headers.pop("Tollgate-Seq", ""))
         except ValueError:
             log.warning("offer without a sequence ignored")
             return
-        self.claims.offered(lane, seq, msg.data, headers)
+        self.claims.offered(lane, seq, msg.data, headers, stream)
         self._arrival.set()
 
     async def _pull_loop(self) -> None:
@@ -324,6 +328,17 @@ class WorkerConsumer:
         offers = await self.nc.subscribe(
             self.subjects.offer(self.model_id, self.worker_id), cb=self._on_offer
         )
+        self._takes_offers = self.claims.fair
+        try:
+            await self._pull()
+        finally:
+            self._takes_offers = False
+            for subscription in (sub, offers):
+                with contextlib.suppress(Exception):
+                    await subscription.unsubscribe()
+        log.info("stopped taking requests")
+
+    async def _pull(self) -> None:
         while not self._stopping.is_set():
             if len(self.inflight) >= self.engine.slots_total:
                 self._slot_freed.clear()
@@ -354,10 +369,6 @@ class WorkerConsumer:
             if self.metrics is not None:
                 self.metrics.claims.labels(self.model_id, claimed.source).inc()
             self._accept(claimed)
-        for subscription in (sub, offers):
-            with contextlib.suppress(Exception):
-                await subscription.unsubscribe()
-        log.info("stopped taking requests")
 
     def _accept(self, claimed: Claimed) -> None:
         try:

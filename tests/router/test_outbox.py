@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from services.router import usage
 from services.router.usage import Outbox, UsagePublisher
 from tests.conftest import NatsServer, free_port
 from tollgate.wire import bus
@@ -91,7 +92,7 @@ async def test_outage_delays_events_and_a_restart_replays_them(
 
 
 async def test_published_events_leave_with_the_next_event_or_soon_after(
-    own_nats: NatsServer, tmp_path: Path
+    own_nats: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two commits per call: an acknowledged event is removed in the next event's
     transaction, or by a batch shortly after; one acknowledged but still in the
@@ -100,6 +101,8 @@ async def test_published_events_leave_with_the_next_event_or_soon_after(
     nc = await own_nats.connect(name="test-router")
     publisher = UsagePublisher(nc.jetstream(), SUBJECTS, Outbox(path), retry_every_s=60)
     await publisher.start()
+    # the batch's delay, as long as this test's checks of what waits for it need
+    monkeypatch.setattr(usage, "REMOVE_AFTER_S", 60.0)
 
     async def acknowledged(request_id: str) -> None:
         deadline = time.monotonic() + 10
@@ -110,13 +113,16 @@ async def test_published_events_leave_with_the_next_event_or_soon_after(
     publisher.emit(event(0))
     await acknowledged("req-0")
     assert [row[0] for row in publisher.outbox.pending()] == ["req-0"]  # not removed yet
+    monkeypatch.setattr(usage, "REMOVE_AFTER_S", 0.05)
     publisher.emit(event(1))  # its transaction takes req-0 out
     assert [row[0] for row in publisher.outbox.pending()] == ["req-1"]
+    assert publisher._removal is None  # nothing left for the batch: its timer is gone
     deadline = time.monotonic() + 5
     while len(publisher.outbox) > 0:  # nothing follows: the batch removes req-1
         assert time.monotonic() < deadline
         await asyncio.sleep(0.05)
 
+    monkeypatch.setattr(usage, "REMOVE_AFTER_S", 60.0)
     publisher.emit(event(2))
     await acknowledged("req-2")
     # killed before the removal: nothing flushed, the journal stays as it is
@@ -128,6 +134,7 @@ async def test_published_events_leave_with_the_next_event_or_soon_after(
     await nc.close()
     assert [row[0] for row in Outbox(path).pending()] == ["req-2"]
 
+    monkeypatch.setattr(usage, "REMOVE_AFTER_S", 0.05)
     nc = await own_nats.connect(name="test-router")
     publisher = UsagePublisher(nc.jetstream(), SUBJECTS, Outbox(path), retry_every_s=0.1)
     await publisher.start()

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 
+import orjson
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -369,6 +371,22 @@ async def test_a_spilling_request_younger_than_the_wait_is_left_for_its_worker(
     assert await queued(server, model) == 1
 
 
+@pytest.mark.parametrize("fair", [True, False], ids=["fair", "fifo"])
+async def test_a_direct_request_first_seen_in_the_counts_spills_by_its_own_age(
+    router: NATS, worker: NATS, server: NatsServer, fair: bool
+) -> None:
+    """Direct requests are not announced to other workers: one that has already
+    waited its time when another worker first reads the counts spills at once,
+    not a whole wait after it was seen."""
+    model = f"sim/claims-spill-age-{'fair' if fair else 'fifo'}"
+    theirs = direct("acme", "w-gone", model)
+    [body] = await publish(router, [theirs])
+    await asyncio.sleep(0.4)  # its worker is gone: the request waits its wait
+    claims = WorkClaims(worker, S, model, "w-other", fair=fair, spill_after_s=0.3)
+    claimed = await claims.take()  # the first read of the counts
+    assert claimed is not None and (claimed.source, claimed.data) == ("spilled", body)
+
+
 async def test_fair_share_counts_a_direct_lane_under_its_tenant_and_key(
     router: NATS, worker: NATS, server: NatsServer
 ) -> None:
@@ -389,7 +407,7 @@ async def test_fair_share_counts_a_direct_lane_under_its_tenant_and_key(
     assert await queued(server, model) == 0
 
 
-# -- offers (a direct request sent to its worker with its body) ------------------
+# -- offers (a direct request sent to its worker with its body) -----------------
 
 
 async def publish_offered(router: NATS, subjects: list[str]) -> list[tuple[int, bytes]]:
@@ -413,15 +431,28 @@ class CountingReads(WorkClaims):
         return await super()._oldest(subject)
 
 
+async def created(server: NatsServer) -> str:
+    """The work queue's creation time, as a router reads it for its offers."""
+    nc = await server.connect(Role.ROUTER, name="test-created")
+    try:
+        reply = await nc.request(f"$JS.API.STREAM.INFO.{S.infer_stream}", b"", timeout=5)
+    finally:
+        await nc.close()
+    return str(orjson.loads(reply.data)["created"])
+
+
 async def test_an_offered_request_is_claimed_without_reading_the_queue(
     router: NATS, worker: NATS, server: NatsServer
 ) -> None:
     model = "sim/claims-offer"
     mine = direct("acme", "w-1", model)
-    sent = await publish_offered(router, [mine, mine])
     claims = CountingReads(worker, S, model, "w-1")
+    claims.arrived()
+    await claims.take()  # nothing yet: the worker has read the queue
+    stream = await created(server)
+    sent = await publish_offered(router, [mine, mine])
     for seq, body in sent:
-        assert claims.offered(mine, seq, body, {"Tollgate-Request-Id": "r"})
+        assert claims.offered(mine, seq, body, {"Tollgate-Request-Id": "r"}, stream)
     taken = [await claims.take() for _ in range(2)]
     assert [(c.data, c.source, c.subject) for c in taken if c is not None] == [
         (body, "direct", mine) for _, body in sent
@@ -437,32 +468,106 @@ async def test_an_offer_another_worker_took_first_is_dropped_and_runs_nowhere_tw
 ) -> None:
     model = "sim/claims-offer-taken"
     mine = direct("acme", "w-1", model)
+    claims = CountingReads(worker, S, model, "w-1")
+    await claims._read_backlog()
     [(seq, body)] = await publish_offered(router, [mine])
     other = WorkClaims(worker, S, model, "w-2", spill_after_s=0)  # it spilled to w-2
     spilled = await other.take()
     assert spilled is not None and (spilled.data, spilled.source) == (body, "spilled")
-    claims = CountingReads(worker, S, model, "w-1")
-    assert claims.offered(mine, seq, body, {})
+    assert claims.offered(mine, seq, body, {}, await created(server))
     assert await claims.take() is None  # the delete failed: not this worker's to run
-    assert claims._offered == 0
+    assert claims._offers == {} and claims._offered_bytes == 0
 
 
 async def test_a_lane_holding_more_than_its_offers_is_read_oldest_first(
     router: NATS, worker: NATS, server: NatsServer
 ) -> None:
-    """A request queued before the offers (this worker's earlier run got it) goes first."""
+    """A request queued and not offered (its offer was lost) goes first; the
+    offers of requests the counts already hold are not counted twice."""
     model = "sim/claims-offer-older"
     mine = direct("acme", "w-1", model)
     sent = await publish_offered(router, [mine, mine, mine])
     claims = CountingReads(worker, S, model, "w-1")
-    claims.arrived()  # counts read from the queue: 3 waiting
-    await claims._read_backlog()
+    await claims._read_backlog()  # 3 waiting
+    stream = await created(server)
     for seq, body in sent[1:]:  # the first was never offered
-        claims.offered(mine, seq, body, {})
+        assert claims.offered(mine, seq, body, {}, stream)
+    assert claims._backlog == {mine: 3}
     taken = [await claims.take() for _ in range(3)]
     assert [c.data for c in taken if c is not None] == [body for _, body in sent]
-    assert claims.reads >= 1
+    assert claims.reads == 1  # the unoffered one; the two offered ones by their delete
+    assert claims._offers == {}
     assert await queued(server, model) == 0
+
+
+async def test_a_request_claimed_by_reading_spends_its_offer(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    model = "sim/claims-offer-read"
+    mine = direct("acme", "w-1", model)
+    claims = CountingReads(worker, S, model, "w-1")
+    await claims._read_backlog()
+    stream = await created(server)
+    [(seq, body)] = await publish_offered(router, [mine])
+    assert claims.offered(mine, seq, body, {}, stream)
+    claims._backlog[mine] = 2  # more waits than was offered (one offer lost): read the lane
+    got = await claims.take()
+    assert got is not None and got.data == body and claims.reads == 1
+    assert claims._offers == {} and claims._offered_bytes == 0
+
+
+async def test_offers_from_before_a_server_restart_are_never_claimed_by_their_sequence(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    """A restarted server's memory queue counts sequences from 1 again: an offer
+    from before names a sequence that may now be another model's request."""
+    model, victims = "sim/claims-offer-again", "sim/claims-offer-victim"
+    mine = direct("acme", "w-1", model)
+    claims = CountingReads(worker, S, model, "w-1")
+    await claims._read_backlog()
+    old_stream = await created(server)
+    old = await publish_offered(router, [mine, mine])
+    assert claims.offered(mine, old[0][0], old[0][1], {}, old_stream)  # held (no free slot)
+
+    before = (router.stats["reconnects"], worker.stats["reconnects"])
+    server.stop()
+    server.start()
+    deadline = time.monotonic() + 30
+    while not (
+        router.stats["reconnects"] > before[0]
+        and worker.stats["reconnects"] > before[1]
+        and router.is_connected
+        and worker.is_connected
+    ):
+        assert time.monotonic() < deadline, "no reconnect"
+        await asyncio.sleep(0.05)
+    await T.ensure_work(router.jetstream())
+    many = max(seq for seq, _ in old) + 1
+    victim = await publish_offered(router, [lane("globex", model=victims)] * many)
+    assert {seq for seq, _ in old} <= {seq for seq, _ in victim}  # the same numbers again
+
+    assert await claims.take() is None  # read again after the reconnect: the offer is gone
+    assert claims._offers == {} and claims._created != old_stream
+    # the second offer, buffered by its router over the restart, arrives late
+    assert not claims.offered(mine, old[1][0], old[1][1], {}, old_stream)
+    assert await claims.take() is None
+    assert await queued(server, victims) == many  # no other request was taken
+
+
+async def test_an_offer_after_a_reconnect_waits_for_the_queue_to_be_read_again(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    model = "sim/claims-offer-reconnect"
+    mine = direct("acme", "w-1", model)
+    claims = CountingReads(worker, S, model, "w-1")
+    await claims._read_backlog()
+    stream = await created(server)
+    [(seq, body)] = await publish_offered(router, [mine])
+    claims._read_reconnects -= 1  # read before this connection's latest reconnect
+    assert not claims.offered(mine, seq, body, {}, stream)
+    assert claims._stale  # read again first: the request is counted there
+    got = await claims.take()
+    assert got is not None and got.data == body and claims.reads == 1
 
 
 @pytest.mark.parametrize(
@@ -480,21 +585,43 @@ async def test_offers_outside_the_worker_s_own_direct_lanes_are_not_taken_as_off
 ) -> None:  # type: ignore[no-untyped-def]
     model = "sim/claims-offer-foreign"
     claims = WorkClaims(worker, S, model, "w-1")
-    assert not claims.offered(subject_of(model), 1, b"{}", {})
-    assert claims._offered == 0
+    await claims._read_backlog()
+    assert not claims.offered(subject_of(model), 1, b"{}", {}, await created(server))
+    assert claims._offers == {}
 
 
-async def test_offers_are_bounded_oldest_dropped_first(worker: NATS) -> None:
+async def test_without_fair_share_offers_are_only_arrivals(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    model = "sim/claims-offer-fifo"
+    mine = direct("acme", "w-1", model)
+    claims = WorkClaims(worker, S, model, "w-1", fair=False)
+    await claims._read_backlog()
+    assert not claims.offered(mine, 1, b"{}", {}, await created(server))
+    assert claims._offers == {} and claims._backlog == {mine: 1}
+
+
+async def test_offers_are_bounded_the_first_to_come_dropped_first(
+    worker: NATS, server: NatsServer
+) -> None:
     from services.worker import claims as module
 
-    claims = WorkClaims(worker, S, "sim/claims-offer-bound", "w-1")
-    mine = direct("acme", "w-1", "sim/claims-offer-bound")
-    for seq in range(1, module.MAX_OFFERS + 11):
-        claims.offered(mine, seq, b"x" * 10, {})
-    assert claims._offered == module.MAX_OFFERS
-    assert min(claims._offers[mine]) == 11  # the ten oldest went
+    model = "sim/claims-offer-bound"
+    claims = WorkClaims(worker, S, model, "w-1")
+    await claims._read_backlog()
+    stream = await created(server)
+    mine = direct("acme", "w-1", model)
+    base = claims._last_seq + 1
+    for seq in range(base, base + module.MAX_OFFERS + 10):
+        assert claims.offered(mine, seq, b"x" * 10, {}, stream)
+    assert len(claims._offers) == module.MAX_OFFERS
+    assert min(claims._offers) == base + 10  # the ten that came first went
+    assert claims.offered(mine, base + 10, b"x" * 10, {}, stream)  # offered twice: one kept
+    assert len(claims._offers) == module.MAX_OFFERS
+    assert claims._offered_bytes == 10 * module.MAX_OFFERS
     big = b"y" * (module.MAX_OFFER_BYTES // 2 + 1)
-    claims.offered(mine, 10_000, big, {})
-    claims.offered(mine, 10_001, big, {})
+    claims.offered(mine, base + 10_000, big, {}, stream)
+    claims.offered(mine, base + 10_001, big, {}, stream)
     assert claims._offered_bytes <= module.MAX_OFFER_BYTES
-    assert 10_001 in claims._offers[mine]
+    assert base + 10_001 in claims._offers
+    assert claims._offered_bytes == sum(len(o.data) for o in claims._offers.values())

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
+
+import pytest
 
 from services.worker.consumer import WorkerConsumer
 from services.worker.engine import EngineStats
 from services.worker.settings import WorkerSettings
+from tests.conftest import NatsServer
+from tollgate.runtime.tasks import stop_tasks
 from tollgate.wire.contracts import WorkerHeartbeat
 from tollgate.wire.subjects import Subjects
 
@@ -87,3 +93,33 @@ async def test_a_silence_longer_than_a_beat_may_announce_is_announced_as_the_lon
     await consumer.fall_silent(7_200.0)  # a catalog expecting a two-hour start
     (sent,) = bus.sent
     assert WorkerHeartbeat.model_validate_json(sent).interval_s == 3_600.0
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["fair", "fifo"])
+async def test_a_worker_says_it_claims_offers_while_it_listens_for_them(
+    nats_server: NatsServer, fair: bool
+) -> None:
+    """Routers offer a direct request only to a worker whose beats say so: one that
+    listens for offers and serves by fair share (first come, first served reads
+    the lanes' oldest requests, so it gets arrivals instead)."""
+    nc = await nats_server.connect(name="test-worker")
+    try:
+        consumer = WorkerConsumer(
+            nc,
+            _CountingEngine(),  # type: ignore[arg-type]
+            WorkerSettings(worker_id="w1", fair_share=fair),
+            Subjects("tg"),
+            "org/offers",
+        )
+        assert not consumer.heartbeat().takes_offers  # not listening yet
+        pulling = asyncio.create_task(consumer._pull_loop())
+        deadline = time.monotonic() + 10
+        while consumer.claims._read_at == 0.0:  # it has subscribed, then read the queue
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert consumer.heartbeat().takes_offers is fair
+        consumer._stopping.set()
+        await stop_tasks(pulling)
+        assert not consumer.heartbeat().takes_offers
+    finally:
+        await nc.close()

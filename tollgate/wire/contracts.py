@@ -291,6 +291,12 @@ class WorkerHeartbeat(_Contract):
         description="Prompt + completion tokens of the requests it has finished since it "
         "started: the scaler's tokens per second, without reading every usage event.",
     )
+    takes_offers: bool = Field(
+        default=False,
+        description="It claims the requests routers offer it on tg.offers.<model>.<worker> "
+        "(its direct lanes, under fair share); a router offers a direct request only to a "
+        "worker that says so, and announces an arrival for it otherwise.",
+    )
 
 
 # Bounds every reader of a usage event applies (the contract's own validation):

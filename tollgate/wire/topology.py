@@ -499,8 +499,9 @@ class Topology:
             ),
             SubjectSpec(
                 "offers: a request queued in one worker's direct lane, sent to that "
-                "worker with its body and queue sequence (headers Tollgate-Seq, "
-                "Tollgate-Lane), so it claims it without reading the queue",
+                "worker with its body (headers Tollgate-Seq, Tollgate-Lane and "
+                "Tollgate-Stream: its sequence, lane and the queue's creation time), "
+                "so it claims it without reading the queue",
                 f"{p}.offers.<model>.<worker>",
                 _roles(R.ROUTER),
                 _roles(R.WORKER),
