@@ -63,6 +63,9 @@ _CANCELLED_KEPT = 10_000
 
 # How long the router that holds a call has to acknowledge its END chunk.
 END_ACK_TIMEOUT_S = 3.0
+# How long a final report no router acknowledged is offered to the orphans
+# bucket while NATS cannot take it (a restart), the wait doubling up to 5 s.
+ORPHAN_RETRY_S = 120.0
 
 
 class _Reply:
@@ -90,7 +93,7 @@ class _Reply:
     async def send(self, kind: ChunkKind, **fields: object) -> None:
         await self.nc.publish(self.request.reply_to, self._chunk(kind, **fields))
 
-    async def end(self, orphans: Callable[[], Awaitable[Any]], **fields: object) -> bool:
+    async def end(self, orphans: Callable[..., Awaitable[Any]], **fields: object) -> bool:
         """The final report, which the router that holds the call acknowledges.
 
         Without an acknowledgement (that router was killed, or cut off from
@@ -104,13 +107,40 @@ class _Reply:
             return True
         except (NoRespondersError, TimeoutError):
             pass
-        try:
-            kv = await orphans()
-            await kv.put(self.request.request_id, data)
-            log.warning("no router took the final report; kept for its next run")
-        except Exception as exc:
-            log.error("final report lost: %s: %s", type(exc).__name__, exc)
+        await keep_orphan(orphans, self.request.request_id, data)
         return False
+
+
+async def keep_orphan(
+    orphans: Callable[..., Awaitable[Any]],
+    request_id: str,
+    data: bytes,
+    retry_s: float = ORPHAN_RETRY_S,
+) -> bool:
+    """Put a final report in the orphans bucket, retrying while NATS cannot take it.
+
+    The router that held the call died, or NATS went down with it (a whole
+    host restarting): the router's next run bills the call from this report
+    once it is there, so a failed put is tried again, with the bucket opened
+    anew (a restarted server may have lost it), for ``retry_s``. True once kept.
+    """
+    give_up = time.monotonic() + retry_s
+    wait = 0.5
+    fresh = False
+    while True:
+        try:
+            kv = await orphans(fresh)
+            await kv.put(request_id, data)
+        except Exception as exc:
+            if time.monotonic() + wait > give_up:
+                log.error("final report lost: %s: %s", type(exc).__name__, exc)
+                return False
+            log.warning("final report not kept yet, retrying: %s: %s", type(exc).__name__, exc)
+            await asyncio.sleep(wait)  # a back-off between tries, not a wait for an event
+            wait, fresh = min(wait * 2, 5.0), True
+            continue
+        log.warning("no router took the final report; kept for its next run")
+        return True
 
 
 def _no_adapter_files(adapter: AdapterEntry) -> Path:
@@ -401,9 +431,9 @@ class WorkerConsumer:
         self.inflight.pop(request_id, None)
         self._slot_freed.set()
 
-    async def _orphans(self) -> Any:
-        """The orphans bucket (created on first need)."""
-        if self._orphan_kv is None:
+    async def _orphans(self, fresh: bool = False) -> Any:
+        """The orphans bucket (created on first need, or again when ``fresh``)."""
+        if self._orphan_kv is None or fresh:
             self._orphan_kv = await self.topology.bucket(self.js, self.topology.orphans)
         return self._orphan_kv
 
