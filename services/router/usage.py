@@ -31,7 +31,7 @@ import contextlib
 import logging
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,26 +101,27 @@ class Outbox:
         ``published``: events the stream has acknowledged, removed in the same
         transaction.
         """
-        self.db.execute("BEGIN")
-        try:
+        with self._transaction():
             self.db.execute(
                 "INSERT OR IGNORE INTO events (request_id, subject, data) VALUES (?, ?, ?)",
                 (request_id, subject, data),
             )
             self.db.execute("DELETE FROM open_calls WHERE request_id = ?", (request_id,))
             self._remove(published)
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
 
     def remove(self, request_ids: Sequence[str]) -> None:
         """Remove published events (one transaction)."""
         if not request_ids:
             return
+        with self._transaction():
+            self._remove(request_ids)
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One SQLite transaction: committed when the block ends, rolled back if it raises."""
         self.db.execute("BEGIN")
         try:
-            self._remove(request_ids)
+            yield
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
