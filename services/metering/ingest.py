@@ -5,7 +5,9 @@ whatever arrived ``batch_max_wait_s`` after the batch's first event), inserts
 it, and acks its messages only after ClickHouse has the rows. A crash between
 insert and ack redelivers the batch; the writer then finds those request ids
 already stored and skips them, so neither the raw table nor the rollups built
-from each insert count an event twice.
+from each insert count an event twice. The consumer acks all: one ack, of a
+batch's last event, acks every event before it (:class:`AckFloor` says when
+that is safe).
 
 A message that is not a valid usage event goes to the dead-letter stream with
 the reason and is acked, so it never blocks the events behind it. A batch
@@ -21,7 +23,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,7 +33,8 @@ from clickhouse_connect.driver.exceptions import DatabaseError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import NoStreamResponseError
+from nats.js.api import DeliverPolicy
+from nats.js.errors import NoStreamResponseError, NotFoundError
 from pydantic import ValidationError
 
 from services.metering.metrics import MeteringMetrics
@@ -59,6 +62,78 @@ class Pending:
 
     msg: Msg
     row: dict[str, Any] | None
+
+
+class AckFloor:
+    """Which stored usage event may be acked, when one ack acks every earlier one.
+
+    The metering consumer acks all (``AckPolicy.ALL``): an ack of one message
+    acks every message before it in the stream, so a batch costs one ack, not
+    one per event. Such an ack may go out only when every earlier event is
+    stored. One delivered to a writer that died, or lost in flight during a
+    reconnect, is still pending on the server, and an ack past it would drop
+    it unstored. So stored events are acked up to the first gap above the
+    floor (the last sequence acked). The server fills a gap by delivering the
+    missing event again after the ack wait; :meth:`server_says` passes a gap
+    that is pending nowhere (an event the stream no longer holds).
+    """
+
+    def __init__(self, floor: int) -> None:
+        self.floor = floor
+        self._stored: dict[int, Msg] = {}  # stored, above the floor: seq -> message
+        self.acks = 0  # acks handed out, so that a reading of the server can be dated
+
+    @property
+    def waiting(self) -> int:
+        """Stored events not acked yet (each after a gap)."""
+        return len(self._stored)
+
+    def stored(self, msgs: Iterable[Msg]) -> Msg | None:
+        """Note stored messages; return the one to ack now, if any."""
+        again: Msg | None = None  # an event at or below the floor, delivered again
+        for msg in msgs:
+            seq = msg.metadata.sequence.stream
+            if seq > self.floor:
+                self._stored[seq] = msg
+            elif again is None or seq > again.metadata.sequence.stream:
+                again = msg
+        # An event delivered again below the floor lost its ack on the way (a
+        # reconnect): acking it once more stops its redeliveries.
+        return self._advance() or again
+
+    def server_says(
+        self, ack_floor: int, pending: int, stored_then: int, acks_then: int
+    ) -> Msg | None:
+        """Apply a reading of the consumer; return the message to ack now, if any.
+
+        ``ack_floor`` and ``pending`` (events delivered and not acked) are the
+        server's; ``stored_then`` and ``acks_then`` were :attr:`waiting` and
+        :attr:`acks` just before the reading was asked for. Every stored event
+        above the server's floor is pending there, so when nothing was stored
+        or acked since and the server's pending events are as many as the
+        stored ones, they are the same events: nothing below the highest
+        stored one waits to be stored, and the gaps before it hold nothing.
+        """
+        unchanged = acks_then == self.acks and stored_then == self.waiting
+        if ack_floor > self.floor:
+            self._drop_through(ack_floor)
+        if unchanged and self._stored and pending == self.waiting:
+            self._drop_through(max(self._stored) - 1)
+        return self._advance()
+
+    def _drop_through(self, floor: int) -> None:
+        self.floor = floor
+        for seq in [s for s in self._stored if s <= floor]:
+            del self._stored[seq]
+
+    def _advance(self) -> Msg | None:
+        last: Msg | None = None
+        while self.floor + 1 in self._stored:
+            self.floor += 1
+            last = self._stored.pop(self.floor)
+        if last is not None:
+            self.acks += 1
+        return last
 
 
 def to_row(data: bytes, stream_seq: int, now: float) -> dict[str, Any]:
@@ -99,6 +174,7 @@ class UsageIngest:
         self.metrics = metrics
         self.running = False
         self._stopping = asyncio.Event()
+        self._floor = AckFloor(0)  # read from the consumer once it is set up
         # One thread for every write: batches reach ClickHouse in order.
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="clickhouse-writer")
 
@@ -117,28 +193,58 @@ class UsageIngest:
             try:
                 # Every stream the metering service reads or writes.
                 await self.topology.ensure(self.js, Role.METERING)
+                await self._ensure_consumer()
                 consumer = self.topology.metering_usage
-                await self.js.add_consumer(
-                    consumer.stream,
-                    consumer.config(
-                        ack_wait=self.settings.ack_wait_s,
-                        max_ack_pending=self.settings.batch_max_rows * 4,
-                        max_deliver=-1,
-                    ),
-                )
+                info = await self.js.consumer_info(consumer.stream, consumer.durable)
+                self._floor = AckFloor(info.ack_floor.stream_seq if info.ack_floor else 0)
                 return
             except Exception as exc:
                 log.warning("usage consumer not set up yet: %s: %s", type(exc).__name__, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.retry_max_s)
 
+    async def _ensure_consumer(self) -> None:
+        """Create the usage consumer, or update its tuning; keep where it is."""
+        spec = self.topology.metering_usage
+        config = spec.config(
+            ack_wait=self.settings.ack_wait_s,
+            max_ack_pending=self.settings.batch_max_rows * 4,
+            max_deliver=-1,
+        )
+        try:
+            info = await self.js.consumer_info(spec.stream, spec.durable)
+        except NotFoundError:
+            await self.js.add_consumer(spec.stream, config)
+            return
+        if info.config.ack_policy != config.ack_policy:
+            # A consumer that acks each event: its ack policy cannot be changed.
+            # It is made again from its ack floor; events acked above the floor
+            # come again and are skipped as stored.
+            log.info("usage consumer made again to ack batches (from its ack floor)")
+            await self.js.delete_consumer(spec.stream, spec.durable)
+            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = (info.ack_floor.stream_seq if info.ack_floor else 0) + 1
+        else:
+            config.deliver_policy = info.config.deliver_policy
+            config.opt_start_seq = info.config.opt_start_seq
+        await self.js.add_consumer(spec.stream, config)
+
     async def _watch_pending(self, every_s: float = 5.0) -> None:
-        """Keep the consumer-lag gauge current (events waiting in the stream)."""
+        """Keep the consumer-lag gauge current (events waiting in the stream).
+
+        The same reading passes gaps before stored events that nothing fills
+        (:meth:`AckFloor.server_says`).
+        """
         while True:
             with contextlib.suppress(Exception):  # NATS away for a moment: next time
                 consumer = self.topology.metering_usage
+                stored, acks = self._floor.waiting, self._floor.acks
                 info = await self.js.consumer_info(consumer.stream, consumer.durable)
                 self.metrics.pending.set(info.num_pending)
+                floor = info.ack_floor.stream_seq if info.ack_floor else 0
+                ack = self._floor.server_says(floor, info.num_ack_pending or 0, stored, acks)
+                if ack is not None:
+                    await self._ack(ack)
             await asyncio.sleep(every_s)
 
     async def run(self) -> None:
@@ -217,8 +323,9 @@ class UsageIngest:
                 pending = by_id.get(id(row))
                 if pending is not None:
                     await self._dead_letter(pending.msg, reason)
-        for pending in batch:
-            await self._ack(pending.msg)
+        ack = self._floor.stored(p.msg for p in batch)
+        if ack is not None:
+            await self._ack(ack)
         if rows:
             newest = max(r["time"] for r in rows)
             self.metrics.lag.observe(max(0.0, time.time() - newest))
@@ -318,6 +425,7 @@ class UsageIngest:
         log.error("usage message dead-lettered", extra={"stream_seq": seq, "reason": reason})
 
     async def _ack(self, msg: Msg) -> None:
-        # An ack lost to a reconnect only causes a redelivery, which is deduplicated.
+        # Acks this message and every earlier one. An ack lost to a reconnect
+        # only causes redeliveries, which are deduplicated and acked again.
         with contextlib.suppress(Exception):
             await msg.ack()

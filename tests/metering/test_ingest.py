@@ -14,13 +14,16 @@ import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
 
-from services.metering.ingest import PoisonEvent, UsageIngest, to_row
+from services.metering.ingest import AckFloor, PoisonEvent, UsageIngest, to_row
 from services.metering.metrics import MeteringMetrics
 from services.metering.settings import MeteringSettings
 from services.metering.store import StoreUnavailable, UsageStore
 from tests.conftest import NatsServer
+from tollgate.wire.bus import BatchPull
 from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Topology
 
 
 def usage(i: int, **fields: Any) -> dict[str, Any]:
@@ -250,3 +253,205 @@ async def test_events_the_contract_refuses_are_dead_lettered_not_stored(
         "prompt_tokens",
     ]
     assert all(r.startswith("not a tg.usage.v1 event") for r in reasons)
+
+
+# -- one ack per batch (the consumer acks all) --------------------------------
+
+
+class FakeMsg:
+    """A delivered message as AckFloor sees it: its stream sequence."""
+
+    def __init__(self, seq: int) -> None:
+        self.metadata = type("M", (), {"sequence": type("S", (), {"stream": seq})()})()
+
+
+def seqs(*numbers: int) -> list[Any]:
+    return [FakeMsg(n) for n in numbers]
+
+
+def acked(msg: Any) -> int | None:
+    return None if msg is None else int(msg.metadata.sequence.stream)
+
+
+def test_a_batch_is_acked_by_its_last_event() -> None:
+    floor = AckFloor(10)
+    assert acked(floor.stored(seqs(11, 12, 13))) == 13
+    assert floor.floor == 13 and floor.waiting == 0 and floor.acks == 1
+
+
+def test_no_ack_passes_an_event_not_stored() -> None:
+    """14 was delivered to a writer that died (or lost on the way): nothing past it is acked."""
+    floor = AckFloor(13)
+    assert floor.stored(seqs(15, 16)) is None
+    assert floor.stored(seqs(17)) is None
+    assert floor.waiting == 3 and floor.floor == 13
+    # The server delivers 14 again after its ack wait: one ack covers all four.
+    assert acked(floor.stored(seqs(14))) == 17
+    assert floor.waiting == 0
+
+
+def test_an_event_delivered_again_below_the_floor_is_acked_again() -> None:
+    """Its ack was lost in a reconnect; without a new ack it would come back forever."""
+    floor = AckFloor(20)
+    assert acked(floor.stored(seqs(18, 19))) == 19
+    assert acked(floor.stored(seqs(19, 21))) == 21
+
+
+def test_a_gap_pending_nowhere_is_passed_on_the_servers_word() -> None:
+    floor = AckFloor(5)
+    floor.stored(seqs(7, 8, 9))  # 6 is gone from the stream
+    stored, acks = floor.waiting, floor.acks
+    # The server still has one more event pending than are stored: 6 may be on its way.
+    assert floor.server_says(5, 4, stored, acks) is None
+    # Something was stored meanwhile: the reading may be older than the store.
+    floor.stored(seqs(11))
+    assert floor.server_says(5, 4, stored, acks) is None
+    # A reading taken with nothing stored or acked since: exactly the stored ones pend.
+    stored, acks = floor.waiting, floor.acks
+    assert acked(floor.server_says(5, 4, stored, acks)) == 11
+    assert floor.floor == 11 and floor.waiting == 0
+
+
+def test_the_servers_ack_floor_is_taken() -> None:
+    floor = AckFloor(5)
+    floor.stored(seqs(7, 9, 10))
+    assert acked(floor.server_says(8, 10, 3, 0)) == 10
+    assert floor.waiting == 0
+
+
+async def _ingest(
+    nats_server: NatsServer, store: UsageStore, subjects: Subjects, **settings: Any
+) -> tuple[NATS, UsageIngest, asyncio.Task[None]]:
+    nc = await nats_server.connect(name="test-ingest")
+    tuning = {"batch_max_rows": 100, "batch_max_wait_s": 0.2, "retry_max_s": 0.2} | settings
+    ingest = UsageIngest(nc, store, subjects, MeteringSettings(**tuning), MeteringMetrics())
+    task = asyncio.create_task(ingest.run())
+    async with asyncio.timeout(30):
+        # Polls a flag the service sets: state with no event to await.
+        while not ingest.running:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    return nc, ingest, task
+
+
+async def _publish(js: JetStreamContext, subjects: Subjects, ids: range) -> None:
+    for i in ids:
+        await js.publish(
+            subjects.usage("acme"), orjson.dumps(usage(i)), headers={"Nats-Msg-Id": f"e{i}"}
+        )
+
+
+async def _until_stored(store: UsageStore, n: int, timeout: float = 60) -> None:
+    async with asyncio.timeout(timeout):
+        # Polls ClickHouse: state with no event to await.
+        while int(store.writer.query("SELECT count() FROM usage_events").result_rows[0][0]) < n:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+
+
+async def _consumer_settled(js: JetStreamContext, subjects: Subjects, last: int) -> Any:
+    usage_consumer = Topology(subjects).metering_usage
+    async with asyncio.timeout(30):
+        while True:
+            info = await js.consumer_info(usage_consumer.stream, usage_consumer.durable)
+            if info.ack_floor.stream_seq == last and info.num_ack_pending == 0:
+                return info
+            await asyncio.sleep(0.1)
+
+
+async def test_events_a_dead_writer_held_are_stored_though_later_ones_are_acked(
+    nats_server: NatsServer, store: UsageStore
+) -> None:
+    """An ack of a later batch acks every earlier event: never one still pending unstored."""
+    subjects = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    nc, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=8)
+    js = nc.jetstream()
+    ingest.stop()
+    await asyncio.wait_for(task, 30)
+    await _publish(js, subjects, range(10))
+    # A writer takes five and dies before storing them: they stay pending.
+    spec = Topology(subjects).metering_usage
+    dead = await BatchPull(nc, spec.stream, spec.durable).start()
+    held = await dead.fetch(5, timeout=5, window=0.5)
+    await dead.stop()
+    assert [m.metadata.sequence.stream for m in held] == [1, 2, 3, 4, 5]
+    _, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=8)
+    await _publish(js, subjects, range(10, 20))
+    await _until_stored(store, 15)
+    # The later events are stored, yet the five held ones are still not acked
+    # (they come again 8 s after they were taken).
+    info = await js.consumer_info(spec.stream, spec.durable)
+    stored = {r[0] for r in store.writer.query("SELECT request_id FROM usage_events").result_rows}
+    assert {f"r{i:05d}" for i in range(info.ack_floor.stream_seq)} <= stored
+    assert info.ack_floor.stream_seq == 0
+    # Delivered again after the ack wait, they are stored, and one ack covers all.
+    await _until_stored(store, 20)
+    info = await _consumer_settled(js, subjects, 20)
+    assert info.config.ack_policy == AckPolicy.ALL
+    ids = {r[0] for r in store.writer.query("SELECT request_id FROM usage_events").result_rows}
+    assert ids == {f"r{i:05d}" for i in range(20)}
+    ingest.stop()
+    await asyncio.wait_for(task, 30)
+    await js.delete_stream(subjects.usage_stream)
+    await nc.close()
+
+
+async def test_a_consumer_that_acked_each_event_is_made_again_from_its_ack_floor(
+    nats_server: NatsServer, store: UsageStore
+) -> None:
+    subjects = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    nc = await nats_server.connect(name="test-old-consumer")
+    js = nc.jetstream()
+    topology = Topology(subjects)
+    await topology.ensure_stream(js, topology.usage)
+    spec = topology.metering_usage
+    await js.add_consumer(
+        spec.stream,
+        ConsumerConfig(
+            durable_name=spec.durable,
+            filter_subject=spec.filter_subject,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=60,
+        ),
+    )
+    await _publish(js, subjects, range(8))
+    old = await BatchPull(nc, spec.stream, spec.durable).start()
+    taken = await old.fetch(8, timeout=5, window=0.5)
+    await old.stop()
+    for msg in taken:  # acked each, up to 3, and 5: 4, 6, 7 and 8 were never stored
+        if msg.metadata.sequence.stream in (1, 2, 3, 5):
+            await msg.ack_sync()
+    _, ingest, task = await _ingest(nats_server, store, subjects)
+    await _until_stored(store, 5)
+    info = await _consumer_settled(js, subjects, 8)
+    assert info.config.ack_policy == AckPolicy.ALL
+    ids = {r[0] for r in store.writer.query("SELECT request_id FROM usage_events").result_rows}
+    # From the old floor on (5 again, skipped when it is already stored); 1-3 never again.
+    assert ids == {f"r{i:05d}" for i in (3, 4, 5, 6, 7)}
+    ingest.stop()
+    await asyncio.wait_for(task, 30)
+    await js.delete_stream(subjects.usage_stream)
+    await nc.close()
+
+
+async def test_a_gap_the_stream_no_longer_holds_does_not_stop_the_acks(
+    nats_server: NatsServer, store: UsageStore
+) -> None:
+    subjects = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    nc, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=2)
+    js = nc.jetstream()
+    spec = Topology(subjects).metering_usage
+    ingest.stop()
+    await asyncio.wait_for(task, 30)
+    await _publish(js, subjects, range(6))
+    # The second event is deleted from the stream; a writer takes the first and dies.
+    await js.delete_msg(subjects.usage_stream, 2)
+    dead = await BatchPull(nc, spec.stream, spec.durable).start()
+    assert len(await dead.fetch(1, timeout=5, window=0.5)) == 1
+    await dead.stop()
+    _, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=2)
+    # 1 comes again after the ack wait; 2 never will: the server's word passes it.
+    await _until_stored(store, 5)
+    await _consumer_settled(js, subjects, 6)
+    ingest.stop()
+    await asyncio.wait_for(task, 30)
+    await js.delete_stream(subjects.usage_stream)
+    await nc.close()

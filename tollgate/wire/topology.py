@@ -180,6 +180,9 @@ class ConsumerSpec:
     filter_subject: str
     reader: Role
     creator: Role | None = None
+    # Its reader acks only the last message of each batch, which acks every
+    # earlier one (AckPolicy.ALL): one ack per batch instead of one per message.
+    ack_all: bool = False
 
     @property
     def created_by(self) -> Role:
@@ -190,7 +193,7 @@ class ConsumerSpec:
         return ConsumerConfig(
             durable_name=self.durable,
             filter_subject=self.filter_subject,
-            ack_policy=AckPolicy.EXPLICIT,
+            ack_policy=AckPolicy.ALL if self.ack_all else AckPolicy.EXPLICIT,
             **tuning,
         )
 
@@ -419,7 +422,12 @@ class Topology:
             readers=_roles(R.ROUTER),
         )
         self.metering_usage = ConsumerSpec(
-            "usage events into ClickHouse", s.usage_stream, "metering", s.usage_all, R.METERING
+            "usage events into ClickHouse",
+            s.usage_stream,
+            "metering",
+            s.usage_all,
+            R.METERING,
+            ack_all=True,
         )
         self.auth_budget = ConsumerSpec(
             "usage events into the budget ledger",
