@@ -248,6 +248,21 @@ class Stack:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         return env
 
+    def _nats_env(self) -> dict[str, str]:
+        """nats-server's environment: one Go thread per router, unless GOMAXPROCS is set.
+
+        Go runs one scheduler thread per core by default. On the host it
+        shares with the services, fewer threads move the stack's messages with
+        fewer wake-ups across cores: on two cores with one router
+        (``bench/stack.py``'s load, simulated engine), one thread cut
+        nats-server's CPU per call by about 30% and the stack's by 10%, with
+        more calls per second and no slower first byte. One thread carries
+        about twice the messages one router sends at full load.
+        """
+        env = self._env()
+        env.setdefault("GOMAXPROCS", str(min(len(self.ports), os.cpu_count() or 1)))
+        return env
+
     def plan(self) -> None:
         logs = self.var / "logs"
         self.children = [
@@ -266,7 +281,7 @@ class Stack:
                     str(self.nats_port),
                     *(["-m", str(self.nats_monitor_port)] if self.nats_monitor_port else []),
                 ],
-                self._env(),
+                self._nats_env(),
                 logs / "nats.log",
             ),
             *(
