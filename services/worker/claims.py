@@ -28,11 +28,16 @@ this worker (:meth:`WorkClaims.offered`) instead of announcing an arrival:
 the body, with its sequence in the queue and the queue's creation time.
 When fair share picks that lane and every request known to wait there was
 offered, the worker deletes the oldest offered one straight away, without
-the read: a claim in one round trip instead of two. An offer whose delete
-fails (another worker took the request after its wait, or its router
-withdrew it) is dropped; so is every offer once the queue turns out to have
-been created again (a restarted server counts sequences from 1 again, so an
-old sequence may name another request), and an offer for a queue this
+the read: a claim in one round trip instead of two. It does not wait for
+that delete to start the request: the claim comes with it, unconfirmed
+(:attr:`Claimed.confirm`), and nothing of the request leaves the worker
+until the delete succeeded, so the engine's first work overlaps the round
+trip and nothing runs twice. An offer whose delete fails (another worker
+took the request after its wait, or its router withdrew it) is dropped, and
+the work started for it is stopped and sent nowhere; so is every offer
+once the queue turns out to have been created again (a restarted server
+counts sequences from 1 again, so an old sequence may name another
+request), and an offer for a queue this
 worker has not read since it last reconnected only counts as an arrival.
 
 Other workers learn of a direct request from the counts (read at least every
@@ -46,9 +51,10 @@ claiming it. A router withdraws a request whose client left by deleting it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import orjson
@@ -88,6 +94,9 @@ class Claimed:
     headers: dict[str, str]
     source: str = "shared"
     stamp: float | None = None  # when it entered the stream (Unix time), if known
+    # An offer claimed ahead: True once this worker's delete succeeded (the
+    # request is its own), False when another had it. None: claimed already.
+    confirm: asyncio.Future[bool] | None = field(default=None, compare=False)
 
 
 class WorkClaims:
@@ -231,7 +240,8 @@ class WorkClaims:
             subject = self._pick()
             if subject is None:
                 return None
-            got = self._take_offer(subject) or await self._oldest(subject)
+            offered = self._take_offer(subject)
+            got = offered or await self._oldest(subject)
             if got is None:
                 if subject in self._backlog:
                     self._backlog.pop(subject)  # emptied by others since the counts
@@ -247,10 +257,14 @@ class WorkClaims:
             seq, claimed = got
             if claimed.source == "spilled" and not self._spills(claimed):
                 continue  # the request there is younger than the wait: its worker may take it
-            if not await self._delete(seq):
+            if got is offered:
+                # claimed ahead: the delete runs while the request starts
+                claimed = replace(claimed, confirm=asyncio.ensure_future(self._confirm(seq)))
+            elif not await self._delete(seq):
                 self._stale = True  # other workers are taking from these lanes
                 continue  # another worker had it first
-            self._drop_offer(seq)  # claimed by reading: its offer, if any, is spent
+            else:
+                self._drop_offer(seq)  # claimed by reading: its offer, if any, is spent
             left = self._backlog.get(claimed.subject, 1) - 1
             if left > 0:
                 self._backlog[claimed.subject] = left
@@ -376,6 +390,21 @@ class WorkClaims:
         parsed = Lane.parse(lane)
         source = self._source(parsed) if parsed is not None else "shared"
         return seq, Claimed(lane, msg.data, headers, source, stamp)
+
+    async def _confirm(self, seq: int) -> bool:
+        """The delete of an offer claimed ahead: True when this worker has the request.
+
+        A delete that fails on the way (NATS away) counts as lost: as with a
+        claim by reading, the request may have been deleted without this
+        worker hearing so, and it is not run on a guess.
+        """
+        try:
+            if await self._delete(seq):
+                return True
+        except Exception as exc:
+            log.warning("claiming an offer failed: %s: %s", type(exc).__name__, exc)
+        self._stale = True  # another worker took it, or the queue changed: read it again
+        return False
 
     async def _delete(self, seq: int) -> bool:
         """Delete message ``seq``: True when this worker deleted it (and so has it)."""

@@ -68,14 +68,38 @@ END_ACK_TIMEOUT_S = 3.0
 ORPHAN_RETRY_S = 120.0
 
 
-class _Reply:
-    """Publishes one request's chunks in order."""
+class ClaimLost(Exception):
+    """An offer claimed ahead turned out to be another worker's: nothing of it is sent."""
 
-    def __init__(self, nc: NATS, request: InferenceRequest, worker_id: str | None = None) -> None:
+
+class _Reply:
+    """Publishes one request's chunks in order.
+
+    ``claim``: for a request claimed ahead (:attr:`Claimed.confirm`), whether
+    it is this worker's; nothing is published before it says so, and every
+    send raises :class:`ClaimLost` when it says no.
+    """
+
+    def __init__(
+        self,
+        nc: NATS,
+        request: InferenceRequest,
+        worker_id: str | None = None,
+        claim: asyncio.Future[bool] | None = None,
+    ) -> None:
         self.nc = nc
         self.request = request
         self.worker_id = worker_id
         self.seq = 0
+        self.claim = claim
+
+    async def claimed(self) -> None:
+        """Wait until the request is this worker's; raise :class:`ClaimLost` if it is not."""
+        if self.claim is not None:
+            # shielded: a cancel of this request must not abandon the delete
+            if not await asyncio.shield(self.claim):
+                raise ClaimLost(self.request.request_id)
+            self.claim = None
 
     def _chunk(self, kind: ChunkKind, **fields: object) -> bytes:
         if self.seq == 0 and self.worker_id is not None:
@@ -91,6 +115,7 @@ class _Reply:
         return codec.encode(chunk)
 
     async def send(self, kind: ChunkKind, **fields: object) -> None:
+        await self.claimed()
         await self.nc.publish(self.request.reply_to, self._chunk(kind, **fields))
 
     async def end(self, orphans: Callable[..., Awaitable[Any]], **fields: object) -> bool:
@@ -101,6 +126,7 @@ class _Reply:
         id, where the router's next run finds it and bills the call. False
         when it went there.
         """
+        await self.claimed()
         data = self._chunk(ChunkKind.END, **fields)
         try:
             await self.nc.request(self.request.reply_to, data, timeout=END_ACK_TIMEOUT_S)
@@ -396,9 +422,19 @@ class WorkerConsumer:
                     async with asyncio.timeout(1.0 if ripe_in is None else min(1.0, ripe_in)):
                         await self._arrival.wait()
                 continue
-            if self.metrics is not None:
-                self.metrics.claims.labels(self.model_id, claimed.source).inc()
+            self._count_claim(claimed)
             self._accept(claimed)
+
+    def _count_claim(self, claimed: Claimed) -> None:
+        if self.metrics is None:
+            return
+        counter = self.metrics.claims.labels(self.model_id, claimed.source)
+        if claimed.confirm is None:
+            counter.inc()
+        else:  # claimed ahead: counted once it is this worker's
+            claimed.confirm.add_done_callback(
+                lambda done: counter.inc() if not done.cancelled() and done.result() else None
+            )
 
     def _accept(self, claimed: Claimed) -> None:
         try:
@@ -407,23 +443,38 @@ class WorkerConsumer:
             log.error("malformed inference request dropped", extra={"subject": claimed.subject})
             return
         self.claims.share.learn(claimed.subject, request.tenant_weight, request.key_weight)
+        claim = claimed.confirm
         if self._cancelled.pop(request.request_id, None) is not None:
             log.info("cancelled before start", extra={"request_id": request.request_id})
-            self._answer_now(request, Outcome.CANCELLED)
+            self._answer_now(request, Outcome.CANCELLED, claim)
             return
         if time.time() > request.start_by:
             log.info("expired before start", extra={"request_id": request.request_id})
-            self._answer_now(request, Outcome.EXPIRED)
+            self._answer_now(request, Outcome.EXPIRED, claim)
             return
-        task = asyncio.create_task(self._traced(request, claimed.headers), name=request.request_id)
+        task = asyncio.create_task(
+            self._traced(request, claimed.headers, claim), name=request.request_id
+        )
         self.inflight[request.request_id] = task
         task.add_done_callback(lambda _: self._release(request.request_id))
+        if claim is not None:
+            # another worker's after all: stop the work started for it
+            claim.add_done_callback(
+                lambda done: None if not done.cancelled() and done.result() else task.cancel()
+            )
 
-    def _answer_now(self, request: InferenceRequest, outcome: Outcome) -> None:
+    def _answer_now(
+        self, request: InferenceRequest, outcome: Outcome, claim: asyncio.Future[bool] | None
+    ) -> None:
         """End a request that will not run (cancelled or expired before it started)."""
-        task = asyncio.create_task(
-            _Reply(self.nc, request).send(ChunkKind.END, outcome=outcome, usage=Usage())
-        )
+
+        async def answer() -> None:
+            with contextlib.suppress(ClaimLost):  # another worker's: it answers
+                await _Reply(self.nc, request, claim=claim).send(
+                    ChunkKind.END, outcome=outcome, usage=Usage()
+                )
+
+        task = asyncio.create_task(answer())
         self._reporting.add(task)
         task.add_done_callback(self._reporting.discard)
 
@@ -439,7 +490,12 @@ class WorkerConsumer:
 
     # -- one request -------------------------------------------------------
 
-    async def _traced(self, request: InferenceRequest, headers: dict[str, str]) -> None:
+    async def _traced(
+        self,
+        request: InferenceRequest,
+        headers: dict[str, str],
+        claim: asyncio.Future[bool] | None = None,
+    ) -> None:
         """Serve in a span that continues the router's trace (when tracing is on)."""
         attributes = {
             "tollgate.request_id": request.request_id,
@@ -447,13 +503,20 @@ class WorkerConsumer:
             "tollgate.worker_id": self.worker_id,
         }
         with tracing.span("worker.serve", attributes, parent=headers):
-            await self._serve(request)
+            try:
+                await self._serve(request, claim)
+            except ClaimLost:
+                # claimed ahead, and another worker had it: it runs there, and
+                # nothing of it was sent or counted here
+                log.info("offer taken elsewhere", extra={"request_id": request.request_id})
 
-    async def _serve(self, request: InferenceRequest) -> None:
+    async def _serve(
+        self, request: InferenceRequest, claim: asyncio.Future[bool] | None = None
+    ) -> None:
         request_id_var.set(request.request_id)
         tally = TokenTally()
         current_tally.set(tally)
-        reply = _Reply(self.nc, request, self.worker_id)
+        reply = _Reply(self.nc, request, self.worker_id, claim)
         started = time.monotonic()
         self._generating.add(request.request_id)
         outcome = Outcome.COMPLETED
@@ -487,6 +550,8 @@ class WorkerConsumer:
                     usage, finish = result.usage, result.finish_reason
         except (asyncio.CancelledError, TimeoutError):
             outcome = Outcome.CANCELLED
+        except ClaimLost:
+            raise
         except Exception:
             log.exception("engine failure")
             outcome = Outcome.ERROR
@@ -496,6 +561,9 @@ class WorkerConsumer:
             await reply.send(ChunkKind.ERROR, data=failure, status=500)
         finally:
             self._generating.discard(request.request_id)
+        # Nothing is counted or reported for a request claimed ahead until it
+        # is this worker's (ClaimLost otherwise).
+        await reply.claimed()
         if usage is None:
             usage = tally.usage()
         self.tokens_total += usage.prompt_tokens + usage.completion_tokens

@@ -458,6 +458,11 @@ async def test_an_offered_request_is_claimed_without_reading_the_queue(
         (body, "direct", mine) for _, body in sent
     ]
     assert taken[0] is not None and taken[0].headers == {"Tollgate-Request-Id": "r"}
+    # claimed ahead: each comes with its delete, which succeeds
+    assert [await c.confirm for c in taken if c is not None and c.confirm is not None] == [
+        True,
+        True,
+    ]
     assert claims.reads == 0  # claimed by deleting the offered message alone
     assert await claims.take() is None
     assert await queued(server, model) == 0
@@ -475,8 +480,11 @@ async def test_an_offer_another_worker_took_first_is_dropped_and_runs_nowhere_tw
     spilled = await other.take()
     assert spilled is not None and (spilled.data, spilled.source) == (body, "spilled")
     assert claims.offered(mine, seq, body, {}, await created(server))
-    assert await claims.take() is None  # the delete failed: not this worker's to run
+    ahead = await claims.take()  # claimed ahead: its delete fails, so it is not this worker's
+    assert ahead is not None and ahead.confirm is not None and await ahead.confirm is False
     assert claims._offers == {} and claims._offered_bytes == 0
+    assert claims._stale  # the counts are read again before the next take
+    assert await claims.take() is None
 
 
 async def test_a_lane_holding_more_than_its_offers_is_read_oldest_first(
@@ -496,6 +504,8 @@ async def test_a_lane_holding_more_than_its_offers_is_read_oldest_first(
     taken = [await claims.take() for _ in range(3)]
     assert [c.data for c in taken if c is not None] == [body for _, body in sent]
     assert claims.reads == 1  # the unoffered one; the two offered ones by their delete
+    assert [c.confirm is None for c in taken if c is not None] == [True, False, False]
+    assert all([await c.confirm for c in taken if c is not None and c.confirm is not None])
     assert claims._offers == {}
     assert await queued(server, model) == 0
 

@@ -1,0 +1,187 @@
+"""An offered request starts while its claim (the delete) is on its way.
+
+A real nats-server, a router's dispatcher offering the request, and a worker
+consumer around a held engine (a test double whose runs wait until released),
+so each test decides what the engine is doing when the claim's answer comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from nats.aio.client import Client as NATS
+
+from services.router.dispatch import Call, Dispatcher
+from services.worker.consumer import WorkerConsumer
+from services.worker.engine import EngineStats, FullResult
+from services.worker.metrics import WorkerMetrics
+from services.worker.settings import WorkerSettings
+from tests.conftest import NatsServer
+from tollgate.runtime.tasks import stop_tasks
+from tollgate.wire.contracts import ChunkKind, Endpoint, InferenceRequest, Usage
+from tollgate.wire.subjects import Subjects
+from tollgate.wire.topology import Role, Topology
+
+SUBJECTS = Subjects("ahead")
+MODEL = "some/ahead"
+
+
+class HeldEngine:
+    """A test double of an engine: each run waits until ``release`` is set."""
+
+    name = "held"
+    slots_total = 4
+    model_path = Path("/m")
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+        self.stopped = asyncio.Event()
+        self.runs = 0
+        self.cancelled = 0
+
+    def stats(self) -> EngineStats:
+        return EngineStats()
+
+    async def run(self, endpoint: Endpoint, body: dict[str, Any], request_id: str) -> FullResult:
+        self.runs += 1
+        self.started.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            self.stopped.set()
+            raise
+        return FullResult('{"answer": 1}', Usage(prompt_tokens=5, completion_tokens=2), "stop")
+
+
+@dataclass
+class Rig:
+    router: NATS
+    dispatcher: Dispatcher
+    consumer: WorkerConsumer
+    engine: HeldEngine
+    other: NATS  # another worker's connection
+
+    def request(self, request_id: str) -> InferenceRequest:
+        now = time.time()
+        return InferenceRequest(
+            request_id=request_id,
+            model=MODEL,
+            endpoint=Endpoint.CHAT,
+            body={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            reply_to=self.dispatcher.reply_subject(request_id),
+            enqueued_at=now,
+            start_by=now + 30,
+            deadline=now + 60,
+            tenant="acme",
+            key_id="k1",
+            compact_reply=True,
+        )
+
+    def claimed(self, source: str) -> float:
+        return float(self.consumer.metrics.claims.labels(MODEL, source)._value.get())  # type: ignore[union-attr]
+
+
+@pytest.fixture
+async def rig(nats_server: NatsServer) -> AsyncIterator[Rig]:
+    router = await nats_server.connect(Role.ROUTER, name="test-router", prefix="ahead")
+    worker = await nats_server.connect(Role.WORKER, name="test-worker", prefix="ahead")
+    other = await nats_server.connect(Role.WORKER, name="test-other-worker", prefix="ahead")
+    dispatcher = Dispatcher(router, Topology(SUBJECTS), "r1")
+    await dispatcher.start([MODEL])
+    engine = HeldEngine()
+    consumer = WorkerConsumer(
+        worker,
+        engine,  # type: ignore[arg-type]
+        WorkerSettings(worker_id="w-1"),
+        SUBJECTS,
+        MODEL,
+        WorkerMetrics(),
+    )
+    pulling = asyncio.create_task(consumer._pull_loop())
+    async with asyncio.timeout(10):
+        # polls a time the consumer sets: subscribed to its offers, then read the queue
+        while consumer.claims._read_at == 0.0:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    yield Rig(router, dispatcher, consumer, engine, other)
+    consumer._stopping.set()
+    await stop_tasks(pulling, *consumer.inflight.values())
+    for nc in (router, worker, other):
+        await nc.close()
+
+
+async def chunks_within(call: Call, seconds: float) -> list[Any]:
+    got = []
+    try:
+        async with asyncio.timeout(seconds):
+            while True:
+                got.append(await call.queue.get())
+    except TimeoutError:
+        return got
+
+
+async def test_an_offered_request_starts_before_its_claim_is_answered(rig: Rig) -> None:
+    real_delete = rig.consumer.claims._delete
+    order: list[str] = []
+
+    async def delete_once_started(seq: int) -> bool:
+        # the claim goes out only once the engine runs the request: a worker
+        # that waited for the claim first would never get here
+        await rig.engine.started.wait()
+        order.append("engine started")
+        ok = await real_delete(seq)
+        order.append("claimed")
+        rig.engine.release.set()
+        return ok
+
+    rig.consumer.claims._delete = delete_once_started  # type: ignore[method-assign]
+    call = await rig.dispatcher.submit(rig.request("ahead-1"), worker_id="w-1", offer=True)
+    assert call.offer
+    async with asyncio.timeout(10):
+        end = await call.queue.get()
+    assert end.kind is ChunkKind.END and end.worker_id == "w-1"
+    assert end.usage == Usage(prompt_tokens=5, completion_tokens=2)
+    assert orjson.loads(end.data or "") == {"answer": 1}
+    await rig.dispatcher.acknowledge_end(call)
+    assert order == ["engine started", "claimed"]
+    assert rig.engine.runs == 1 and rig.consumer.tokens_total == 7
+    assert rig.claimed("direct") == 1
+    info = await rig.router.jetstream().stream_info(SUBJECTS.infer_stream)
+    assert info.state.messages == 0  # claimed: gone from the queue
+
+
+async def test_an_offer_another_worker_had_first_is_stopped_and_sends_nothing(
+    rig: Rig,
+) -> None:
+    """The request spilled to another worker before this one's delete: the work
+    started for it is stopped, and nothing of it reaches the router or the counts."""
+    real_delete = rig.consumer.claims._delete
+
+    async def delete_after_the_other_worker(seq: int) -> bool:
+        await rig.engine.started.wait()  # it runs here already
+        # the other worker's claim: its delete comes first
+        answer = await rig.other.request(
+            f"$JS.API.STREAM.MSG.DELETE.{SUBJECTS.infer_stream}",
+            orjson.dumps({"seq": seq, "no_erase": True}),
+            timeout=5,
+        )
+        assert orjson.loads(answer.data)["success"]
+        return await real_delete(seq)
+
+    rig.consumer.claims._delete = delete_after_the_other_worker  # type: ignore[method-assign]
+    call = await rig.dispatcher.submit(rig.request("ahead-2"), worker_id="w-1", offer=True)
+    async with asyncio.timeout(10):
+        await rig.engine.stopped.wait()  # stopped once the claim failed
+    assert await chunks_within(call, 1.0) == []  # no START, no END: the other worker answers
+    assert rig.engine.runs == 1
+    assert rig.consumer.inflight == {}  # its slot is free again
+    assert rig.consumer.tokens_total == 0
+    assert rig.claimed("direct") == 0
