@@ -33,7 +33,7 @@ from clickhouse_connect.driver.exceptions import DatabaseError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
+from nats.js.api import AckPolicy
 from nats.js.errors import NoStreamResponseError, NotFoundError
 from pydantic import ValidationError
 
@@ -50,6 +50,8 @@ log = logging.getLogger("tollgate.metering.ingest")
 T = TypeVar("T")
 
 _DEAD_LETTER_MAX_BYTES = 64 * 1024
+# How soon a batch that failed is delivered again.
+_REDELIVER_FAILED_S = 2.0
 
 
 class PoisonEvent(ValueError):
@@ -102,22 +104,30 @@ class AckFloor:
         return self._advance() or again
 
     def server_says(
-        self, ack_floor: int, pending: int, stored_then: int, acks_then: int
+        self, ack_floor: int, delivered: int, pending: int, stored_then: int, acks_then: int
     ) -> Msg | None:
         """Apply a reading of the consumer; return the message to ack now, if any.
 
-        ``ack_floor`` and ``pending`` (events delivered and not acked) are the
-        server's; ``stored_then`` and ``acks_then`` were :attr:`waiting` and
-        :attr:`acks` just before the reading was asked for. Every stored event
-        above the server's floor is pending there, so when nothing was stored
-        or acked since and the server's pending events are as many as the
-        stored ones, they are the same events: nothing below the highest
-        stored one waits to be stored, and the gaps before it hold nothing.
+        ``ack_floor``, ``delivered`` (the last sequence delivered) and
+        ``pending`` (events delivered and not acked) are the server's;
+        ``stored_then`` and ``acks_then`` were :attr:`waiting` and :attr:`acks`
+        just before the reading was asked for. Every stored event above the
+        server's floor is pending there (once the server knows it delivered
+        them all: a server restarted from older state may not), so when
+        nothing was stored or acked since and the server's pending events are
+        as many as the stored ones, they are the same events: nothing below
+        the highest stored one waits to be stored, and the gaps before it
+        hold nothing.
         """
         unchanged = acks_then == self.acks and stored_then == self.waiting
         if ack_floor > self.floor:
             self._drop_through(ack_floor)
-        if unchanged and self._stored and pending == self.waiting:
+        if (
+            unchanged
+            and self._stored
+            and pending == self.waiting
+            and delivered >= max(self._stored)
+        ):
             self._drop_through(max(self._stored) - 1)
         return self._advance()
 
@@ -175,6 +185,7 @@ class UsageIngest:
         self.running = False
         self._stopping = asyncio.Event()
         self._floor = AckFloor(0)  # read from the consumer once it is set up
+        self._ack_all = True  # False for a consumer made to ack each event
         # One thread for every write: batches reach ClickHouse in order.
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="clickhouse-writer")
 
@@ -196,7 +207,9 @@ class UsageIngest:
                 await self._ensure_consumer()
                 consumer = self.topology.metering_usage
                 info = await self.js.consumer_info(consumer.stream, consumer.durable)
-                self._floor = AckFloor(info.ack_floor.stream_seq if info.ack_floor else 0)
+                floor = info.ack_floor.stream_seq if info.ack_floor else 0
+                self._floor = AckFloor(floor)
+                self._ack_all = info.config.ack_policy == AckPolicy.ALL
                 return
             except Exception as exc:
                 log.warning("usage consumer not set up yet: %s: %s", type(exc).__name__, exc)
@@ -216,18 +229,16 @@ class UsageIngest:
         except NotFoundError:
             await self.js.add_consumer(spec.stream, config)
             return
-        if info.config.ack_policy != config.ack_policy:
-            # A consumer that acks each event: its ack policy cannot be changed.
-            # It is made again from its ack floor; events acked above the floor
-            # come again and are skipped as stored.
-            log.info("usage consumer made again to ack batches (from its ack floor)")
-            await self.js.delete_consumer(spec.stream, spec.durable)
-            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
-            config.opt_start_seq = (info.ack_floor.stream_seq if info.ack_floor else 0) + 1
-        else:
-            config.deliver_policy = info.config.deliver_policy
-            config.opt_start_seq = info.config.opt_start_seq
+        # What an existing consumer was made with cannot change. One made by an
+        # earlier version acks each event, and is kept so: making it again would
+        # need a delete this service may not send, and would deliver again every
+        # event above its ack floor.
+        config.ack_policy = info.config.ack_policy
+        config.deliver_policy = info.config.deliver_policy
+        config.opt_start_seq = info.config.opt_start_seq
         await self.js.add_consumer(spec.stream, config)
+        if config.ack_policy != AckPolicy.ALL:
+            log.info("the usage consumer acks each event (it was made so)")
 
     async def _watch_pending(self, every_s: float = 5.0) -> None:
         """Keep the consumer-lag gauge current (events waiting in the stream).
@@ -241,10 +252,16 @@ class UsageIngest:
                 stored, acks = self._floor.waiting, self._floor.acks
                 info = await self.js.consumer_info(consumer.stream, consumer.durable)
                 self.metrics.pending.set(info.num_pending)
-                floor = info.ack_floor.stream_seq if info.ack_floor else 0
-                ack = self._floor.server_says(floor, info.num_ack_pending or 0, stored, acks)
-                if ack is not None:
-                    await self._ack(ack)
+                if self._ack_all:
+                    ack = self._floor.server_says(
+                        info.ack_floor.stream_seq if info.ack_floor else 0,
+                        info.delivered.stream_seq if info.delivered else 0,
+                        info.num_ack_pending or 0,
+                        stored,
+                        acks,
+                    )
+                    if ack is not None:
+                        await self._ack(ack)
             await asyncio.sleep(every_s)
 
     async def run(self) -> None:
@@ -278,9 +295,14 @@ class UsageIngest:
         try:
             await self._process(msgs)
         except Exception:
-            # Nothing of this batch was acked: the server delivers it again
-            # after ack_wait, and the ids already stored are skipped then.
+            # Nothing of this batch was acked: the server delivers it again,
+            # asked to within seconds rather than after the ack wait (no later
+            # event is acked past it meanwhile), and the ids already stored
+            # are skipped then.
             log.exception("usage batch failed; it will be delivered again")
+            for msg in msgs:
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=_REDELIVER_FAILED_S)
 
     async def _collect(self, puller: BatchPull) -> list[Msg]:
         """A batch: up to batch_max_rows, or what arrived batch_max_wait_s after the first."""
@@ -323,9 +345,13 @@ class UsageIngest:
                 pending = by_id.get(id(row))
                 if pending is not None:
                     await self._dead_letter(pending.msg, reason)
-        ack = self._floor.stored(p.msg for p in batch)
-        if ack is not None:
-            await self._ack(ack)
+        if self._ack_all:
+            ack = self._floor.stored(p.msg for p in batch)
+            if ack is not None:
+                await self._ack(ack)
+        else:
+            for pending in batch:
+                await self._ack(pending.msg)
         if rows:
             newest = max(r["time"] for r in rows)
             self.metrics.lag.observe(max(0.0, time.time() - newest))

@@ -23,7 +23,7 @@ from services.metering.store import StoreUnavailable, UsageStore
 from tests.conftest import NatsServer
 from tollgate.wire.bus import BatchPull
 from tollgate.wire.subjects import Subjects
-from tollgate.wire.topology import Topology
+from tollgate.wire.topology import Role, Topology
 
 
 def usage(i: int, **fields: Any) -> dict[str, Any]:
@@ -302,29 +302,34 @@ def test_a_gap_pending_nowhere_is_passed_on_the_servers_word() -> None:
     floor.stored(seqs(7, 8, 9))  # 6 is gone from the stream
     stored, acks = floor.waiting, floor.acks
     # The server still has one more event pending than are stored: 6 may be on its way.
-    assert floor.server_says(5, 4, stored, acks) is None
+    assert floor.server_says(5, 11, 4, stored, acks) is None
     # Something was stored meanwhile: the reading may be older than the store.
     floor.stored(seqs(11))
-    assert floor.server_says(5, 4, stored, acks) is None
+    assert floor.server_says(5, 11, 4, stored, acks) is None
     # A reading taken with nothing stored or acked since: exactly the stored ones pend.
     stored, acks = floor.waiting, floor.acks
-    assert acked(floor.server_says(5, 4, stored, acks)) == 11
+    # A server restarted from older state, which no longer knows it delivered 11:
+    # its pending events are not the stored ones, whatever their number.
+    assert floor.server_says(5, 10, 4, stored, acks) is None
+    assert acked(floor.server_says(5, 11, 4, stored, acks)) == 11
     assert floor.floor == 11 and floor.waiting == 0
 
 
 def test_the_servers_ack_floor_is_taken() -> None:
     floor = AckFloor(5)
     floor.stored(seqs(7, 9, 10))
-    assert acked(floor.server_says(8, 10, 3, 0)) == 10
+    assert acked(floor.server_says(8, 10, 10, 3, 0)) == 10
     assert floor.waiting == 0
 
 
 async def _ingest(
     nats_server: NatsServer, store: UsageStore, subjects: Subjects, **settings: Any
 ) -> tuple[NATS, UsageIngest, asyncio.Task[None]]:
+    """A usage writer with the metering service's own identity, and an operator's connection."""
     nc = await nats_server.connect(name="test-ingest")
+    writer = await nats_server.connect(Role.METERING, name="test-metering", prefix=subjects.prefix)
     tuning = {"batch_max_rows": 100, "batch_max_wait_s": 0.2, "retry_max_s": 0.2} | settings
-    ingest = UsageIngest(nc, store, subjects, MeteringSettings(**tuning), MeteringMetrics())
+    ingest = UsageIngest(writer, store, subjects, MeteringSettings(**tuning), MeteringMetrics())
     task = asyncio.create_task(ingest.run())
     async with asyncio.timeout(30):
         # Polls a flag the service sets: state with no event to await.
@@ -362,7 +367,7 @@ async def test_events_a_dead_writer_held_are_stored_though_later_ones_are_acked(
 ) -> None:
     """An ack of a later batch acks every earlier event: never one still pending unstored."""
     subjects = Subjects(f"t{uuid.uuid4().hex[:8]}")
-    nc, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=8)
+    nc, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=15)
     js = nc.jetstream()
     ingest.stop()
     await asyncio.wait_for(task, 30)
@@ -373,15 +378,15 @@ async def test_events_a_dead_writer_held_are_stored_though_later_ones_are_acked(
     held = await dead.fetch(5, timeout=5, window=0.5)
     await dead.stop()
     assert [m.metadata.sequence.stream for m in held] == [1, 2, 3, 4, 5]
-    _, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=8)
+    _, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=15)
     await _publish(js, subjects, range(10, 20))
     await _until_stored(store, 15)
-    # The later events are stored, yet the five held ones are still not acked
-    # (they come again 8 s after they were taken).
+    # The later events are stored, yet the five held ones are not acked (they
+    # come again 15 s after they were taken): every event up to the consumer's
+    # ack floor is stored.
     info = await js.consumer_info(spec.stream, spec.durable)
     stored = {r[0] for r in store.writer.query("SELECT request_id FROM usage_events").result_rows}
-    assert {f"r{i:05d}" for i in range(info.ack_floor.stream_seq)} <= stored
-    assert info.ack_floor.stream_seq == 0
+    assert len(stored) == 15 and info.ack_floor.stream_seq == 0
     # Delivered again after the ack wait, they are stored, and one ack covers all.
     await _until_stored(store, 20)
     info = await _consumer_settled(js, subjects, 20)
@@ -394,9 +399,11 @@ async def test_events_a_dead_writer_held_are_stored_though_later_ones_are_acked(
     await nc.close()
 
 
-async def test_a_consumer_that_acked_each_event_is_made_again_from_its_ack_floor(
+async def test_a_consumer_made_to_ack_each_event_is_kept_and_acked_so(
     nats_server: NatsServer, store: UsageStore
 ) -> None:
+    """A consumer from an earlier version: its ack policy cannot change, and
+    making it again would deliver every event above its floor once more."""
     subjects = Subjects(f"t{uuid.uuid4().hex[:8]}")
     nc = await nats_server.connect(name="test-old-consumer")
     js = nc.jetstream()
@@ -409,23 +416,22 @@ async def test_a_consumer_that_acked_each_event_is_made_again_from_its_ack_floor
             durable_name=spec.durable,
             filter_subject=spec.filter_subject,
             ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=60,
+            ack_wait=2,
         ),
     )
     await _publish(js, subjects, range(8))
     old = await BatchPull(nc, spec.stream, spec.durable).start()
     taken = await old.fetch(8, timeout=5, window=0.5)
     await old.stop()
-    for msg in taken:  # acked each, up to 3, and 5: 4, 6, 7 and 8 were never stored
+    for msg in taken:  # stored and acked before the upgrade: 1-3 and 5
         if msg.metadata.sequence.stream in (1, 2, 3, 5):
             await msg.ack_sync()
-    _, ingest, task = await _ingest(nats_server, store, subjects)
-    await _until_stored(store, 5)
+    _, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=2)
+    await _until_stored(store, 4)
     info = await _consumer_settled(js, subjects, 8)
-    assert info.config.ack_policy == AckPolicy.ALL
+    assert info.config.ack_policy == AckPolicy.EXPLICIT
     ids = {r[0] for r in store.writer.query("SELECT request_id FROM usage_events").result_rows}
-    # From the old floor on (5 again, skipped when it is already stored); 1-3 never again.
-    assert ids == {f"r{i:05d}" for i in (3, 4, 5, 6, 7)}
+    assert ids == {f"r{i:05d}" for i in (3, 5, 6, 7)}  # the four never acked, and only those
     ingest.stop()
     await asyncio.wait_for(task, 30)
     await js.delete_stream(subjects.usage_stream)
@@ -451,6 +457,36 @@ async def test_a_gap_the_stream_no_longer_holds_does_not_stop_the_acks(
     # 1 comes again after the ack wait; 2 never will: the server's word passes it.
     await _until_stored(store, 5)
     await _consumer_settled(js, subjects, 6)
+    ingest.stop()
+    await asyncio.wait_for(task, 30)
+    await js.delete_stream(subjects.usage_stream)
+    await nc.close()
+
+
+async def test_a_batch_that_failed_comes_again_within_seconds(
+    nats_server: NatsServer, store: UsageStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not after the minute's ack wait: no later event may be acked past it meanwhile."""
+    subjects = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    nc, ingest, task = await _ingest(nats_server, store, subjects)
+    assert ingest.settings.ack_wait_s == 60
+    real = ingest._fresh_rows
+    failures = {"left": 1}
+
+    async def fresh_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("an unexpected failure (injected)")
+        return await real(rows)
+
+    monkeypatch.setattr(ingest, "_fresh_rows", fresh_rows)
+    js = nc.jetstream()
+    await _publish(js, subjects, range(10))
+    await _until_stored(store, 10, timeout=20)
+    await _publish(js, subjects, range(10, 12))
+    await _until_stored(store, 12, timeout=20)
+    await _consumer_settled(js, subjects, 12)
+    assert failures["left"] == 0
     ingest.stop()
     await asyncio.wait_for(task, 30)
     await js.delete_stream(subjects.usage_stream)
