@@ -259,7 +259,8 @@ class WorkClaims:
                 continue  # the request there is younger than the wait: its worker may take it
             if got is offered:
                 # claimed ahead: the delete runs while the request starts
-                claimed = replace(claimed, confirm=asyncio.ensure_future(self._confirm(seq)))
+                confirm = asyncio.ensure_future(self._confirm(seq, self._read_reconnects))
+                claimed = replace(claimed, confirm=confirm)
             elif not await self._delete(seq):
                 self._stale = True  # other workers are taking from these lanes
                 continue  # another worker had it first
@@ -391,15 +392,19 @@ class WorkClaims:
         source = self._source(parsed) if parsed is not None else "shared"
         return seq, Claimed(lane, msg.data, headers, source, stamp)
 
-    async def _confirm(self, seq: int) -> bool:
+    async def _confirm(self, seq: int, reconnects: int) -> bool:
         """The delete of an offer claimed ahead: True when this worker has the request.
 
-        A delete that fails on the way (NATS away) counts as lost: as with a
-        claim by reading, the request may have been deleted without this
-        worker hearing so, and it is not run on a guess.
+        ``reconnects``: this connection's reconnects when the queue was last
+        read. After another one the sequence may name a request of a queue a
+        restarted server made anew, so it is not deleted (the request, if it
+        still waits, is found by reading). A delete that fails on the way
+        (NATS away) counts as lost: as with a claim by reading, the request may
+        have been deleted without this worker hearing so, and it is not run
+        on a guess.
         """
         try:
-            if await self._delete(seq):
+            if self.nc.stats["reconnects"] == reconnects and await self._delete(seq):
                 return True
         except Exception as exc:
             log.warning("claiming an offer failed: %s: %s", type(exc).__name__, exc)

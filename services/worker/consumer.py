@@ -456,7 +456,7 @@ class WorkerConsumer:
             self._traced(request, claimed.headers, claim), name=request.request_id
         )
         self.inflight[request.request_id] = task
-        task.add_done_callback(lambda _: self._release(request.request_id))
+        task.add_done_callback(lambda done: self._release(request.request_id, done))
         if claim is not None:
             # another worker's after all: stop the work started for it
             claim.add_done_callback(
@@ -478,8 +478,9 @@ class WorkerConsumer:
         self._reporting.add(task)
         task.add_done_callback(self._reporting.discard)
 
-    def _release(self, request_id: str) -> None:
-        self.inflight.pop(request_id, None)
+    def _release(self, request_id: str, task: asyncio.Task[None]) -> None:
+        if self.inflight.get(request_id) is task:  # not a later claim of the same request
+            del self.inflight[request_id]
         self._slot_freed.set()
 
     async def _orphans(self, fresh: bool = False) -> Any:

@@ -635,3 +635,27 @@ async def test_offers_are_bounded_the_first_to_come_dropped_first(
     assert claims._offered_bytes <= module.MAX_OFFER_BYTES
     assert base + 10_001 in claims._offers
     assert claims._offered_bytes == sum(len(o.data) for o in claims._offers.values())
+
+
+async def test_an_offer_claimed_ahead_is_not_deleted_after_a_reconnect(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    """Its sequence may name a request of a queue a restarted server made anew:
+    the claim counts as lost, and the request, if it still waits, is read."""
+    model = "sim/claims-offer-reconnect"
+    mine = direct("acme", "w-1", model)
+    claims = CountingReads(worker, S, model, "w-1")
+    await claims._read_backlog()
+    [(seq, body)] = await publish_offered(router, [mine])
+    assert claims.offered(mine, seq, body, {}, await created(server))
+    ahead = await claims.take()
+    assert ahead is not None and ahead.confirm is not None
+    worker.stats["reconnects"] += 1  # the connection came back before the delete went out
+    try:
+        assert await ahead.confirm is False
+        assert await queued(server, model) == 1  # not deleted
+        again = await claims.take()  # read again: found by reading, and claimed so
+        assert again is not None and again.data == body and again.confirm is None
+    finally:
+        worker.stats["reconnects"] -= 1
+    assert await queued(server, model) == 0
