@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -322,153 +323,162 @@ def test_the_servers_ack_floor_is_taken() -> None:
     assert floor.waiting == 0
 
 
-async def _ingest(
-    nats_server: NatsServer, store: UsageStore, subjects: Subjects, **settings: Any
-) -> tuple[NATS, UsageIngest, asyncio.Task[None]]:
-    """A usage writer with the metering service's own identity, and an operator's connection."""
-    nc = await nats_server.connect(name="test-ingest")
-    writer = await nats_server.connect(Role.METERING, name="test-metering", prefix=subjects.prefix)
-    tuning = {"batch_max_rows": 100, "batch_max_wait_s": 0.2, "retry_max_s": 0.2} | settings
-    ingest = UsageIngest(writer, store, subjects, MeteringSettings(**tuning), MeteringMetrics())
-    task = asyncio.create_task(ingest.run())
-    async with asyncio.timeout(30):
-        # Polls a flag the service sets: state with no event to await.
-        while not ingest.running:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-    return nc, ingest, task
+@dataclass
+class Bus:
+    """An operator's connection to a stack of its own prefix, and the usage writers run on it."""
 
+    server: NatsServer
+    store: UsageStore
+    nc: NATS
+    subjects: Subjects
+    running: list[tuple[NATS, UsageIngest, asyncio.Task[None]]]
 
-async def _publish(js: JetStreamContext, subjects: Subjects, ids: range) -> None:
-    for i in ids:
-        await js.publish(
-            subjects.usage("acme"), orjson.dumps(usage(i)), headers={"Nats-Msg-Id": f"e{i}"}
+    @property
+    def js(self) -> JetStreamContext:
+        return self.nc.jetstream()
+
+    @property
+    def spec(self) -> Any:
+        return Topology(self.subjects).metering_usage
+
+    async def writer(self, **settings: Any) -> UsageIngest:
+        """A usage writer with the metering service's own identity, running."""
+        nc = await self.server.connect(
+            Role.METERING, name="test-metering", prefix=self.subjects.prefix
         )
+        tuning = {"batch_max_rows": 100, "batch_max_wait_s": 0.2, "retry_max_s": 0.2} | settings
+        ingest = UsageIngest(
+            nc, self.store, self.subjects, MeteringSettings(**tuning), MeteringMetrics()
+        )
+        task = asyncio.create_task(ingest.run())
+        self.running.append((nc, ingest, task))
+        async with asyncio.timeout(30):
+            # Polls a flag the service sets: state with no event to await.
+            while not ingest.running:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        return ingest
+
+    async def stop_writers(self) -> None:
+        while self.running:
+            nc, ingest, task = self.running.pop()
+            ingest.stop()
+            await asyncio.wait_for(task, 30)
+            await nc.close()
+
+    async def publish(self, ids: range) -> None:
+        for i in ids:
+            await self.js.publish(
+                self.subjects.usage("acme"),
+                orjson.dumps(usage(i)),
+                headers={"Nats-Msg-Id": f"e{i}"},
+            )
+
+    async def dies_holding(self, n: int) -> list[int]:
+        """A writer takes ``n`` events and dies before storing them: their sequences."""
+        dead = await BatchPull(self.nc, self.spec.stream, self.spec.durable).start()
+        held = await dead.fetch(n, timeout=5, window=0.5)
+        await dead.stop()
+        return [m.metadata.sequence.stream for m in held]
+
+    def stored(self) -> set[str]:
+        rows = self.store.writer.query("SELECT request_id FROM usage_events").result_rows
+        return {r[0] for r in rows}
+
+    async def until_stored(self, n: int, timeout: float = 60) -> None:
+        async with asyncio.timeout(timeout):
+            # Polls ClickHouse: state with no event to await.
+            while len(self.stored()) < n:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+
+    async def settled(self, last: int) -> Any:
+        """The consumer once it has acked everything up to ``last``."""
+        async with asyncio.timeout(30):
+            while True:
+                info = await self.js.consumer_info(self.spec.stream, self.spec.durable)
+                if info.ack_floor.stream_seq == last and info.num_ack_pending == 0:
+                    return info
+                await asyncio.sleep(0.1)
 
 
-async def _until_stored(store: UsageStore, n: int, timeout: float = 60) -> None:
-    async with asyncio.timeout(timeout):
-        # Polls ClickHouse: state with no event to await.
-        while int(store.writer.query("SELECT count() FROM usage_events").result_rows[0][0]) < n:  # noqa: ASYNC110
-            await asyncio.sleep(0.1)
-
-
-async def _consumer_settled(js: JetStreamContext, subjects: Subjects, last: int) -> Any:
-    usage_consumer = Topology(subjects).metering_usage
-    async with asyncio.timeout(30):
-        while True:
-            info = await js.consumer_info(usage_consumer.stream, usage_consumer.durable)
-            if info.ack_floor.stream_seq == last and info.num_ack_pending == 0:
-                return info
-            await asyncio.sleep(0.1)
-
-
-async def test_events_a_dead_writer_held_are_stored_though_later_ones_are_acked(
-    nats_server: NatsServer, store: UsageStore
-) -> None:
-    """An ack of a later batch acks every earlier event: never one still pending unstored."""
-    subjects = Subjects(f"t{uuid.uuid4().hex[:8]}")
-    nc, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=15)
-    js = nc.jetstream()
-    ingest.stop()
-    await asyncio.wait_for(task, 30)
-    await _publish(js, subjects, range(10))
-    # A writer takes five and dies before storing them: they stay pending.
-    spec = Topology(subjects).metering_usage
-    dead = await BatchPull(nc, spec.stream, spec.durable).start()
-    held = await dead.fetch(5, timeout=5, window=0.5)
-    await dead.stop()
-    assert [m.metadata.sequence.stream for m in held] == [1, 2, 3, 4, 5]
-    _, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=15)
-    await _publish(js, subjects, range(10, 20))
-    await _until_stored(store, 15)
-    # The later events are stored, yet the five held ones are not acked (they
-    # come again 15 s after they were taken): every event up to the consumer's
-    # ack floor is stored.
-    info = await js.consumer_info(spec.stream, spec.durable)
-    stored = {r[0] for r in store.writer.query("SELECT request_id FROM usage_events").result_rows}
-    assert len(stored) == 15 and info.ack_floor.stream_seq == 0
-    # Delivered again after the ack wait, they are stored, and one ack covers all.
-    await _until_stored(store, 20)
-    info = await _consumer_settled(js, subjects, 20)
-    assert info.config.ack_policy == AckPolicy.ALL
-    ids = {r[0] for r in store.writer.query("SELECT request_id FROM usage_events").result_rows}
-    assert ids == {f"r{i:05d}" for i in range(20)}
-    ingest.stop()
-    await asyncio.wait_for(task, 30)
-    await js.delete_stream(subjects.usage_stream)
+@pytest.fixture
+async def bus(nats_server: NatsServer, store: UsageStore) -> AsyncIterator[Bus]:
+    nc = await nats_server.connect(name="test-operator")
+    b = Bus(nats_server, store, nc, Subjects(f"t{uuid.uuid4().hex[:8]}"), [])
+    yield b
+    await b.stop_writers()
+    with contextlib.suppress(Exception):
+        await b.js.delete_stream(b.subjects.usage_stream)
     await nc.close()
 
 
-async def test_a_consumer_made_to_ack_each_event_is_kept_and_acked_so(
-    nats_server: NatsServer, store: UsageStore
+async def test_events_a_dead_writer_held_are_stored_though_later_ones_are_acked(
+    bus: Bus,
 ) -> None:
+    """An ack of a later batch acks every earlier event: never one still pending unstored."""
+    await bus.writer(ack_wait_s=15)  # makes the consumer
+    await bus.stop_writers()
+    await bus.publish(range(10))
+    assert await bus.dies_holding(5) == [1, 2, 3, 4, 5]
+    await bus.writer(ack_wait_s=15)
+    await bus.publish(range(10, 20))
+    await bus.until_stored(15)
+    # The later events are stored, yet the five held ones are not acked (they
+    # come again 15 s after they were taken).
+    info = await bus.js.consumer_info(bus.spec.stream, bus.spec.durable)
+    assert len(bus.stored()) == 15 and info.ack_floor.stream_seq == 0
+    # Delivered again after the ack wait, they are stored, and one ack covers all.
+    await bus.until_stored(20)
+    info = await bus.settled(20)
+    assert info.config.ack_policy == AckPolicy.ALL
+    assert bus.stored() == {f"r{i:05d}" for i in range(20)}
+
+
+async def test_a_consumer_made_to_ack_each_event_is_kept_and_acked_so(bus: Bus) -> None:
     """A consumer from an earlier version: its ack policy cannot change, and
     making it again would deliver every event above its floor once more."""
-    subjects = Subjects(f"t{uuid.uuid4().hex[:8]}")
-    nc = await nats_server.connect(name="test-old-consumer")
-    js = nc.jetstream()
-    topology = Topology(subjects)
-    await topology.ensure_stream(js, topology.usage)
-    spec = topology.metering_usage
-    await js.add_consumer(
-        spec.stream,
+    topology = Topology(bus.subjects)
+    await topology.ensure_stream(bus.js, topology.usage)
+    await bus.js.add_consumer(
+        bus.spec.stream,
         ConsumerConfig(
-            durable_name=spec.durable,
-            filter_subject=spec.filter_subject,
+            durable_name=bus.spec.durable,
+            filter_subject=bus.spec.filter_subject,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=2,
         ),
     )
-    await _publish(js, subjects, range(8))
-    old = await BatchPull(nc, spec.stream, spec.durable).start()
+    await bus.publish(range(8))
+    old = await BatchPull(bus.nc, bus.spec.stream, bus.spec.durable).start()
     taken = await old.fetch(8, timeout=5, window=0.5)
     await old.stop()
     for msg in taken:  # stored and acked before the upgrade: 1-3 and 5
         if msg.metadata.sequence.stream in (1, 2, 3, 5):
             await msg.ack_sync()
-    _, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=2)
-    await _until_stored(store, 4)
-    info = await _consumer_settled(js, subjects, 8)
+    await bus.writer(ack_wait_s=2)
+    await bus.until_stored(4)
+    info = await bus.settled(8)
     assert info.config.ack_policy == AckPolicy.EXPLICIT
-    ids = {r[0] for r in store.writer.query("SELECT request_id FROM usage_events").result_rows}
-    assert ids == {f"r{i:05d}" for i in (3, 5, 6, 7)}  # the four never acked, and only those
-    ingest.stop()
-    await asyncio.wait_for(task, 30)
-    await js.delete_stream(subjects.usage_stream)
-    await nc.close()
+    assert bus.stored() == {f"r{i:05d}" for i in (3, 5, 6, 7)}  # the four never acked
 
 
-async def test_a_gap_the_stream_no_longer_holds_does_not_stop_the_acks(
-    nats_server: NatsServer, store: UsageStore
-) -> None:
-    subjects = Subjects(f"t{uuid.uuid4().hex[:8]}")
-    nc, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=2)
-    js = nc.jetstream()
-    spec = Topology(subjects).metering_usage
-    ingest.stop()
-    await asyncio.wait_for(task, 30)
-    await _publish(js, subjects, range(6))
+async def test_a_gap_the_stream_no_longer_holds_does_not_stop_the_acks(bus: Bus) -> None:
+    await bus.writer(ack_wait_s=2)  # makes the consumer
+    await bus.stop_writers()
+    await bus.publish(range(6))
     # The second event is deleted from the stream; a writer takes the first and dies.
-    await js.delete_msg(subjects.usage_stream, 2)
-    dead = await BatchPull(nc, spec.stream, spec.durable).start()
-    assert len(await dead.fetch(1, timeout=5, window=0.5)) == 1
-    await dead.stop()
-    _, ingest, task = await _ingest(nats_server, store, subjects, ack_wait_s=2)
+    await bus.js.delete_msg(bus.subjects.usage_stream, 2)
+    assert await bus.dies_holding(1) == [1]
+    await bus.writer(ack_wait_s=2)
     # 1 comes again after the ack wait; 2 never will: the server's word passes it.
-    await _until_stored(store, 5)
-    await _consumer_settled(js, subjects, 6)
-    ingest.stop()
-    await asyncio.wait_for(task, 30)
-    await js.delete_stream(subjects.usage_stream)
-    await nc.close()
+    await bus.until_stored(5)
+    await bus.settled(6)
 
 
 async def test_a_batch_that_failed_comes_again_within_seconds(
-    nats_server: NatsServer, store: UsageStore, monkeypatch: pytest.MonkeyPatch
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Not after the minute's ack wait: no later event may be acked past it meanwhile."""
-    subjects = Subjects(f"t{uuid.uuid4().hex[:8]}")
-    nc, ingest, task = await _ingest(nats_server, store, subjects)
+    ingest = await bus.writer()
     assert ingest.settings.ack_wait_s == 60
     real = ingest._fresh_rows
     failures = {"left": 1}
@@ -480,14 +490,9 @@ async def test_a_batch_that_failed_comes_again_within_seconds(
         return await real(rows)
 
     monkeypatch.setattr(ingest, "_fresh_rows", fresh_rows)
-    js = nc.jetstream()
-    await _publish(js, subjects, range(10))
-    await _until_stored(store, 10, timeout=20)
-    await _publish(js, subjects, range(10, 12))
-    await _until_stored(store, 12, timeout=20)
-    await _consumer_settled(js, subjects, 12)
+    await bus.publish(range(10))
+    await bus.until_stored(10, timeout=20)
+    await bus.publish(range(10, 12))
+    await bus.until_stored(12, timeout=20)
+    await bus.settled(12)
     assert failures["left"] == 0
-    ingest.stop()
-    await asyncio.wait_for(task, 30)
-    await js.delete_stream(subjects.usage_stream)
-    await nc.close()
