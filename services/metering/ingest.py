@@ -33,7 +33,7 @@ from clickhouse_connect.driver.exceptions import DatabaseError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy
+from nats.js.api import AckPolicy, ConsumerInfo
 from nats.js.errors import NoStreamResponseError, NotFoundError
 from pydantic import ValidationError
 
@@ -204,9 +204,7 @@ class UsageIngest:
             try:
                 # Every stream the metering service reads or writes.
                 await self.topology.ensure(self.js, Role.METERING)
-                await self._ensure_consumer()
-                consumer = self.topology.metering_usage
-                info = await self.js.consumer_info(consumer.stream, consumer.durable)
+                info = await self._ensure_consumer()
                 floor = info.ack_floor.stream_seq if info.ack_floor else 0
                 self._floor = AckFloor(floor)
                 self._ack_all = info.config.ack_policy == AckPolicy.ALL
@@ -216,8 +214,8 @@ class UsageIngest:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.retry_max_s)
 
-    async def _ensure_consumer(self) -> None:
-        """Create the usage consumer, or update its tuning; keep where it is."""
+    async def _ensure_consumer(self) -> ConsumerInfo:
+        """Create the usage consumer, or update its tuning; keep where it is. Its state."""
         spec = self.topology.metering_usage
         config = spec.config(
             ack_wait=self.settings.ack_wait_s,
@@ -227,8 +225,7 @@ class UsageIngest:
         try:
             info = await self.js.consumer_info(spec.stream, spec.durable)
         except NotFoundError:
-            await self.js.add_consumer(spec.stream, config)
-            return
+            return await self.js.add_consumer(spec.stream, config)
         # What an existing consumer was made with cannot change. One made by an
         # earlier version acks each event, and is kept so: making it again would
         # need a delete this service may not send, and would deliver again every
@@ -236,9 +233,10 @@ class UsageIngest:
         config.ack_policy = info.config.ack_policy
         config.deliver_policy = info.config.deliver_policy
         config.opt_start_seq = info.config.opt_start_seq
-        await self.js.add_consumer(spec.stream, config)
+        updated = await self.js.add_consumer(spec.stream, config)
         if config.ack_policy != AckPolicy.ALL:
             log.info("the usage consumer acks each event (it was made so)")
+        return updated
 
     async def _watch_pending(self, every_s: float = 5.0) -> None:
         """Keep the consumer-lag gauge current (events waiting in the stream).

@@ -31,8 +31,8 @@ offered, the worker deletes the oldest offered one straight away, without
 the read: a claim in one round trip instead of two. It does not wait for
 that delete to start the request: the claim comes with it, unconfirmed
 (:attr:`Claimed.confirm`), and nothing of the request leaves the worker
-until the delete succeeded, so the engine's first work overlaps the round
-trip and nothing runs twice. An offer whose delete fails (another worker
+until the delete succeeded, so a reply that is not streamed has its engine
+work overlap the round trip, and nothing runs twice. An offer whose delete fails (another worker
 took the request after its wait, or its router withdrew it) is dropped, and
 the work started for it is stopped and sent nowhere; so is every offer
 once the queue turns out to have been created again (a restarted server

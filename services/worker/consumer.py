@@ -72,6 +72,11 @@ class ClaimLost(Exception):
     """An offer claimed ahead turned out to be another worker's: nothing of it is sent."""
 
 
+def _won(claim: asyncio.Future[bool]) -> bool:
+    """Whether a finished claim ahead made the request this worker's."""
+    return not claim.cancelled() and claim.result()
+
+
 class _Reply:
     """Publishes one request's chunks in order.
 
@@ -432,9 +437,7 @@ class WorkerConsumer:
         if claimed.confirm is None:
             counter.inc()
         else:  # claimed ahead: counted once it is this worker's
-            claimed.confirm.add_done_callback(
-                lambda done: counter.inc() if not done.cancelled() and done.result() else None
-            )
+            claimed.confirm.add_done_callback(lambda done: counter.inc() if _won(done) else None)
 
     def _accept(self, claimed: Claimed) -> None:
         try:
@@ -459,9 +462,7 @@ class WorkerConsumer:
         task.add_done_callback(lambda done: self._release(request.request_id, done))
         if claim is not None:
             # another worker's after all: stop the work started for it
-            claim.add_done_callback(
-                lambda done: None if not done.cancelled() and done.result() else task.cancel()
-            )
+            claim.add_done_callback(lambda done: None if _won(done) else task.cancel())
 
     def _answer_now(
         self, request: InferenceRequest, outcome: Outcome, claim: asyncio.Future[bool] | None
