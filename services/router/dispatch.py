@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js.api import RePublish
 from nats.js.errors import APIError, NoStreamResponseError
 
 from services.router.errors import PayloadTooLarge
@@ -33,10 +34,6 @@ from tollgate.wire.contracts import (
 from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.dispatch")
-
-# How often a router reads the work queue's creation time again while its
-# connection stays up (the queue may have been deleted and created again).
-QUEUE_CHECK_S = 30.0
 
 # JetStream's refusals of a message that would pass the work queue's limits
 # (messages, bytes, messages per lane).
@@ -116,10 +113,11 @@ class Dispatcher:
         # this router's calls running on each worker, now and when its latest beat came
         self._running: dict[str, int] = {}
         self._running_at_beat: dict[str, int] = {}
-        # the work queue's creation time (its identity, which offers carry), and
-        # this connection's reconnects and the time when it was read
-        self._created: str | None = None
-        self._created_read: tuple[int, float] = (-1, 0.0)
+        # whether the work queue sends workers the requests of their direct
+        # lanes (its republish, as this version declares it), as last read; a
+        # router of an earlier version may have updated the queue without it
+        self.queue_offers = True
+        self._republish: RePublish | None = None  # as this version declares it
 
     async def start(self, model_ids: Iterable[str], body_limit: int | None = None) -> None:
         """Create the work queue and each model's worker consumer, then take chunks.
@@ -136,6 +134,7 @@ class Dispatcher:
                 f"max_payload (Tollgate's own configurations set {MAX_PAYLOAD})."
             )
         self.model_ids = list(model_ids)
+        self._republish = self.topology.work.config(self.topology.replicas).republish
         await self.topology.ensure_work(self.js)
         await self.nc.subscribe(
             f"{self.subjects.reply_prefix(self.router_id)}.*", cb=self._on_chunk
@@ -179,7 +178,12 @@ class Dispatcher:
         """Register the call, then publish it to its lane of the model's work queue.
 
         With ``worker_id``, to that worker's direct lane (cache-aware routing),
-        and ``offer``: offered to that worker (it says it claims offers).
+        and ``offer``: that worker claims offers (its heartbeats say so). The
+        work queue itself offers it: as it stores a request in a direct lane,
+        it sends a copy to the lane's worker with its sequence (a republish,
+        :attr:`Subjects.offers_by_lane`), so the worker may start it before
+        this router has the queue's acknowledgement. Any other request is
+        announced (an arrival) once the queue has it.
         """
         call = Call(request)
         call.reconnects = int(self.nc.stats["reconnects"])
@@ -274,7 +278,6 @@ class Dispatcher:
                 ack = await self.js.publish(subject, data, headers=headers, timeout=5)
             except NoStreamResponseError:
                 # The in-memory stream is gone (NATS restarted): recreate it once.
-                self._created = None
                 await self.topology.ensure_work(self.js)
                 ack = await self.js.publish(subject, data, headers=headers, timeout=5)
         except BaseException as exc:
@@ -288,40 +291,8 @@ class Dispatcher:
             raise
         call.seq = ack.seq
         self._unstarted.setdefault(request.model, {})[call.token] = time.monotonic()
-        created = await self._queue_created() if call.offer else None
-        if call.direct_to is not None and created is not None:
-            offer = {**headers, "Tollgate-Seq": str(ack.seq), "Tollgate-Lane": subject}
-            offer["Tollgate-Stream"] = created
-            await self._offer(request.model, call.direct_to, data, offer)
-        else:
-            await self._announce(request, subject)
-
-    async def _queue_created(self) -> str | None:
-        """The work queue's creation time; None when it cannot be read now.
-
-        Read again after every reconnect (a restarted server's queue is a new
-        one) and every ``QUEUE_CHECK_S``.
-        """
-        reconnects = int(self.nc.stats["reconnects"])
-        read = (reconnects, time.monotonic())
-        if (
-            self._created is not None
-            and self._created_read[0] == reconnects
-            and read[1] - self._created_read[1] < QUEUE_CHECK_S
-        ):
-            return self._created
-        self._created = None
-        try:
-            reply = await self.nc.request(
-                f"$JS.API.STREAM.INFO.{self.subjects.infer_stream}", b"", timeout=2
-            )
-            created = orjson.loads(reply.data).get("created")
-        except Exception as exc:
-            log.debug("work queue unread: %s: %s", type(exc).__name__, exc)
-            return None
-        if isinstance(created, str):
-            self._created, self._created_read = created, read
-        return self._created
+        if not (call.offer and self.queue_offers):
+            await self._announce(request, subject)  # else the queue sent it to its worker
 
     async def _announce(self, request: InferenceRequest, lane: str) -> None:
         """Tell the scaler and the model's idle workers that a request waits (no body).
@@ -335,24 +306,6 @@ class Dispatcher:
             await self.nc.publish(self.subjects.arrivals(request.model), codec.encode(arrival))
         except Exception as exc:  # workers also look every second: not worth failing for
             log.warning("arrival not announced: %s: %s", type(exc).__name__, str(exc))
-
-    async def _offer(
-        self, model: str, worker_id: str, data: bytes, headers: dict[str, str]
-    ) -> None:
-        """Offer a request in a worker's direct lane to that worker, body included.
-
-        Sent once the request is in the queue, with its sequence there and
-        the queue's creation time: the worker claims it by deleting that
-        message, without reading the queue first. Nobody else needs an
-        arrival: other workers may take it only once it spills, and find it
-        when they next read the lanes' counts; the scaler follows arrivals
-        only for a model without a ready worker, and a direct lane's worker
-        was ready.
-        """
-        try:
-            await self.nc.publish(self.subjects.offer(model, worker_id), data, headers=headers)
-        except Exception as exc:  # the worker also reads its lanes every second
-            log.warning("offer not sent: %s: %s", type(exc).__name__, str(exc))
 
     async def cancel(self, call: Call, reason: str) -> None:
         if call.cancelled:
@@ -394,6 +347,7 @@ class Dispatcher:
                 self.subjects.infer_stream, subjects_filter=self.subjects.infer_lanes(model)
             )
             seen = self._waiting[model] = (now, sum((info.state.subjects or {}).values()))
+            self.queue_offers = info.config.republish == self._republish
         read_at, count = seen
         mine = self._unstarted.get(model)
         return count + (sum(1 for at in mine.values() if at > read_at) if mine else 0)

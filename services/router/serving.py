@@ -357,9 +357,9 @@ class OpenAIServing:
             raise self._unavailable("The model's queue cannot be reached. Please retry.") from None
 
     def _takes_offers(self, worker_id: str | None) -> bool:
-        """Whether the worker chosen for a direct request claims offers (its latest beat)."""
+        """Whether the worker chosen for a direct request claims the queue's copies (its beat)."""
         seen = self.workers.get(worker_id) if worker_id is not None else None
-        return seen is not None and seen.beat.takes_offers
+        return seen is not None and seen.beat.takes_queued
 
     def _unavailable(self, message: str) -> ServiceUnavailable:
         return ServiceUnavailable(

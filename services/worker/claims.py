@@ -23,22 +23,22 @@ worker with a free slot:
    delete is the claim: of several workers that read the same request, the
    one whose delete succeeds runs it; the others read the next one.
 
-A router that puts a request in this worker's direct lane *offers* it to
-this worker (:meth:`WorkClaims.offered`) instead of announcing an arrival:
-the body, with its sequence in the queue and the queue's creation time.
-When fair share picks that lane and every request known to wait there was
+A request stored in this worker's direct lane is *offered* to this worker
+(:meth:`WorkClaims.offered`): the work queue sends a copy as it stores it
+(a republish), with its sequence and lane, and the router announces no
+arrival. When fair share picks that lane and every request known to wait there was
 offered, the worker deletes the oldest offered one straight away, without
 the read: a claim in one round trip instead of two. It does not wait for
 that delete to start the request: the claim comes with it, unconfirmed
 (:attr:`Claimed.confirm`), and nothing of the request leaves the worker
 until the delete succeeded, so a reply that is not streamed has its engine
-work overlap the round trip, and nothing runs twice. An offer whose delete fails (another worker
-took the request after its wait, or its router withdrew it) is dropped, and
-the work started for it is stopped and sent nowhere; so is every offer
-once the queue turns out to have been created again (a restarted server
-counts sequences from 1 again, so an old sequence may name another
-request), and an offer for a queue this
-worker has not read since it last reconnected only counts as an arrival.
+work overlap the round trip, and nothing runs twice. An offer whose delete
+fails (another worker took the request after its wait, or its router
+withdrew it) is dropped, and the work started for it is stopped and sent
+nowhere; so is every offer once the queue turns out to have been created
+again (a restarted server counts sequences from 1 again, so an old sequence
+may name another request), and an offer that comes before this worker has
+read the queue since it last reconnected only counts as an arrival.
 
 Other workers learn of a direct request from the counts (read at least every
 second): a lane first seen there opens at once, and the request's own
@@ -139,6 +139,7 @@ class WorkClaims:
         # server's memory stream counts sequences from 1 again), its first and
         # last sequence, and this connection's reconnects when it was read
         self._created: str | None = None
+        self._created_at: float | None = None  # the same, as Unix time
         self._first_seq = 0
         self._last_seq = 0
         self._read_reconnects = -1
@@ -152,27 +153,30 @@ class WorkClaims:
             self._stale = True
 
     def offered(
-        self, lane: str, seq: int, data: bytes, headers: dict[str, str], stream: str | None
+        self, lane: str, seq: int, data: bytes, headers: dict[str, str], stamp: float | None
     ) -> bool:
-        """A router put a request in this worker's direct ``lane`` and offers it (see the docs).
+        """The queue stored a request as ``seq`` in this worker's direct ``lane`` (see the docs).
 
-        ``stream``: the creation time of the queue the router published to.
-        False when the offer is only taken as news that a request waits:
-        ``lane`` is not one of this worker's direct lanes; fair share is off
-        (first come, first served compares the lanes' oldest requests, which
-        only reading gives); or the offer may name a sequence of another queue
-        than the one this worker last read (the server restarted, or this
-        worker has not read the queue since it reconnected), where that
-        sequence may be another request.
+        ``stamp``: when the queue stored it (Unix time). False when the offer
+        is only taken as news that a request waits: ``lane`` is not one of
+        this worker's direct lanes; fair share is off (first come, first
+        served compares the lanes' oldest requests, which only reading
+        gives); or the offer may name a sequence of another queue than the one
+        this worker last read, where that sequence may be another request:
+        this worker has not read the queue since it last reconnected (the
+        server may have restarted, and its queue counts sequences from 1
+        again), or the request was stored before the queue this worker read
+        was created (a copy from the queue before, handled late).
         """
         parsed = Lane.parse(lane) if lane.startswith(self._prefix) else None
         if parsed is None or self.me is None or parsed.worker != self.me or not self.fair:
             self.arrived(lane if parsed is not None else None)
             return False
         if (
-            stream is None
-            or stream != self._created
-            or self.nc.stats["reconnects"] != self._read_reconnects
+            self.nc.stats["reconnects"] != self._read_reconnects
+            or stamp is None
+            or self._created_at is None
+            or stamp < self._created_at
         ):
             self._stale = True  # read the queue again: the request is counted there
             return False
@@ -370,6 +374,7 @@ class WorkClaims:
         created = info.get("created")
         created_again = created != self._created
         self._created, self._read_reconnects = created, reconnects
+        self._created_at = stream_time(created) if isinstance(created, str) else None
         self._first_seq = int(state.get("first_seq", 0))
         self._last_seq = int(state.get("last_seq", 0))
         self._forget_offers(created_again)
@@ -385,7 +390,7 @@ class WorkClaims:
             raise RuntimeError(f"work queue: {headers.get('Status')} {headers.get('Description')}")
         seq = int(headers.pop("Nats-Sequence"))
         lane = headers.pop("Nats-Subject", subject)
-        stamp = _stamp(headers.pop("Nats-Time-Stamp", None))
+        stamp = stream_time(headers.pop("Nats-Time-Stamp", None))
         for name in ("Nats-Stream", "Nats-Last-Sequence"):
             headers.pop(name, None)
         parsed = Lane.parse(lane)
@@ -429,7 +434,7 @@ class _Offer:
     headers: dict[str, str]
 
 
-def _stamp(value: str | None) -> float | None:
+def stream_time(value: str | None) -> float | None:
     """Unix time of a stream timestamp (RFC 3339, nanoseconds, UTC); None if unreadable."""
     if not value:
         return None

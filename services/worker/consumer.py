@@ -21,7 +21,7 @@ from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 
 from services.worker.adapters import Adapters
-from services.worker.claims import Claimed, WorkClaims
+from services.worker.claims import Claimed, WorkClaims, stream_time
 from services.worker.engine import (
     Engine,
     EngineResult,
@@ -318,7 +318,7 @@ class WorkerConsumer:
             prefix_cache_hits=stats.prefix_cache_hits,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             tokens_total=self.tokens_total,
-            takes_offers=self._takes_offers,
+            takes_queued=self._takes_offers,
         )
 
     async def fall_silent(self, seconds: float) -> None:
@@ -372,29 +372,36 @@ class WorkerConsumer:
         self._arrival.set()
 
     async def _on_offer(self, msg: Msg) -> None:
+        """The queue's copy of a request it stored in one of this worker's direct lanes."""
         headers = dict(msg.headers or {})
-        lane = headers.pop("Tollgate-Lane", "")
-        stream = headers.pop("Tollgate-Stream", None)
+        lane = headers.pop("Nats-Subject", "")
+        stamp = stream_time(headers.pop("Nats-Time-Stamp", None))
+        for name in ("Nats-Stream", "Nats-Last-Sequence"):
+            headers.pop(name, None)
         try:
-            seq = int(headers.pop("Tollgate-Seq", ""))
+            seq = int(headers.pop("Nats-Sequence", ""))
         except ValueError:
             log.warning("offer without a sequence ignored")
             return
-        self.claims.offered(lane, seq, msg.data, headers, stream)
+        self.claims.offered(lane, seq, msg.data, headers, stamp)
         self._arrival.set()
 
     async def _pull_loop(self) -> None:
         """Take a request whenever a slot is free (see :mod:`services.worker.claims`)."""
         sub = await self.nc.subscribe(self.subjects.arrivals(self.model_id), cb=self._on_arrival)
-        offers = await self.nc.subscribe(
-            self.subjects.offer(self.model_id, self.worker_id), cb=self._on_offer
-        )
+        subscriptions = [sub]
+        if self.claims.fair:  # first come, first served claims by reading only
+            subscriptions.append(
+                await self.nc.subscribe(
+                    self.subjects.offer(self.model_id, self.worker_id), cb=self._on_offer
+                )
+            )
         self._takes_offers = self.claims.fair
         try:
             await self._pull()
         finally:
             self._takes_offers = False
-            for subscription in (sub, offers):
+            for subscription in subscriptions:
                 with contextlib.suppress(Exception):
                     await subscription.unsubscribe()
         log.info("stopped taking requests")
@@ -569,31 +576,34 @@ class WorkerConsumer:
         if usage is None:
             usage = tally.usage()
         self.tokens_total += usage.prompt_tokens + usage.completion_tokens
-        # Counted and logged first: the router has answered the client once it
-        # has the END, before its acknowledgement comes back.
+        # Counted first: the router has answered the client once it has the
+        # END, before its acknowledgement comes back.
         if self.metrics is not None:
             self.metrics.requests.labels(self.model_id, outcome.value).inc()
             self.metrics.tokens.labels(self.model_id, "prompt").inc(usage.prompt_tokens)
             self.metrics.tokens.labels(self.model_id, "completion").inc(usage.completion_tokens)
-        log.info(
-            "request done",
-            extra={
-                "outcome": outcome.value,
-                "prompt_tokens": usage.prompt_tokens,
-                "completion_tokens": usage.completion_tokens,
-                "seconds": round(time.monotonic() - started, 4),
-            },
-        )
-        report = asyncio.create_task(
-            reply.end(
-                self._orphans,
-                usage=usage,
-                outcome=outcome,
-                finish_reason=finish,
-                worker_id=self.worker_id,
-                data=body_on_end,
-            )
-        )
+        done = {
+            "outcome": outcome.value,
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "seconds": round(time.monotonic() - started, 4),
+        }
+
+        async def report_then_log() -> None:
+            # Logged once the END is on its way: the line is not on the call's path.
+            try:
+                await reply.end(
+                    self._orphans,
+                    usage=usage,
+                    outcome=outcome,
+                    finish_reason=finish,
+                    worker_id=self.worker_id,
+                    data=body_on_end,
+                )
+            finally:
+                log.info("request done", extra=done)
+
+        report = asyncio.create_task(report_then_log())
         self._reporting.add(report)
         report.add_done_callback(self._reporting.discard)
 

@@ -45,9 +45,14 @@ def test_every_entry_has_a_writer_and_a_reader() -> None:
     topology = Topology(Subjects())
     for entry in (*topology.streams, *topology.buckets):
         assert entry.writers and entry.readers, entry.name
-    for subject in topology.core:
-        assert subject.publishers and subject.subscribers, subject.pattern
     streams = {s.name: s for s in topology.streams}
+    for subject in topology.core:
+        assert subject.subscribers, subject.pattern
+        if subject.republished_by is None:
+            assert subject.publishers, subject.pattern
+        else:  # a stream sends here, and no service may
+            assert not subject.publishers, subject.pattern
+            assert streams[subject.republished_by].republish is not None, subject.pattern
     for consumer in topology.consumers:
         assert consumer.reader in streams[consumer.stream].readers, consumer.durable
     for stream in topology.streams:  # who claims or withdraws messages reads or writes them

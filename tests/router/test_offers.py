@@ -1,10 +1,12 @@
-"""A request routed to one worker's direct lane is offered to that worker, body included.
+"""A request routed to one worker's direct lane reaches that worker from the queue itself.
 
-The router publishes the request to the work queue, then sends the worker an
-offer: the same body and trace headers, with the request's sequence in the
-queue, its lane, and the queue's creation time, when the worker's heartbeats
-say it claims offers. A request in a shared lane, or for a worker that does
-not claim offers, gets an arrival (no body) instead.
+The work queue republishes every request it stores in a direct lane to
+``<prefix>.queued.<model>.<worker>``: the same body and headers, with its
+sequence and lane (``Nats-Sequence``, ``Nats-Subject``). The router then
+announces no arrival for it when the worker's heartbeats say it claims those
+copies. A request in a shared lane, for a worker that does not claim them,
+or in a queue an earlier version made without the republish, gets an
+arrival (no body).
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ from __future__ import annotations
 import asyncio
 import time
 
-import orjson
+from nats.aio.client import Client as NATS
 
 from services.router.dispatch import Dispatcher
 from tests.conftest import NatsServer
 from tollgate.wire import codec
 from tollgate.wire.contracts import Arrival, Endpoint, InferenceRequest
 from tollgate.wire.subjects import Subjects
-from tollgate.wire.topology import Topology
+from tollgate.wire.topology import Role, Topology
 
-SUBJECTS = Subjects("offers")
+PREFIX = "offers"
+SUBJECTS = Subjects(PREFIX)
 MODEL = "some/model"
 
 
@@ -41,17 +44,28 @@ def request(request_id: str, dispatcher: Dispatcher) -> InferenceRequest:
     )
 
 
-async def test_a_direct_request_is_offered_to_its_worker_and_a_shared_one_announced(
+async def listen(nc: NATS, subject: str) -> asyncio.Queue:
+    got: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe(subject, cb=got.put)
+    await nc.flush()
+    return got
+
+
+async def settled(*connections: NATS) -> None:
+    """Whatever was on its way to these connections has arrived."""
+    for nc in connections:
+        await nc.flush()
+    await asyncio.sleep(0.2)
+
+
+async def test_the_queue_sends_a_direct_request_to_its_worker_and_a_shared_one_is_announced(
     nats_server: NatsServer,
 ) -> None:
-    router_nc = await nats_server.connect(name="test-router")
-    worker_nc = await nats_server.connect(name="test-worker")
-    offers: asyncio.Queue = asyncio.Queue()
-    arrivals: asyncio.Queue = asyncio.Queue()
+    router_nc = await nats_server.connect(Role.ROUTER, "test-router", PREFIX)
+    worker_nc = await nats_server.connect(Role.WORKER, "test-worker", PREFIX)
     try:
-        await worker_nc.subscribe(SUBJECTS.offer(MODEL, "w-1"), cb=offers.put)
-        await worker_nc.subscribe(SUBJECTS.arrivals(MODEL), cb=arrivals.put)
-        await worker_nc.flush()
+        offers = await listen(worker_nc, SUBJECTS.offer(MODEL, "w-1"))
+        arrivals = await listen(worker_nc, SUBJECTS.arrivals(MODEL))
         dispatcher = Dispatcher(router_nc, Topology(SUBJECTS), "r1")
         await dispatcher.start([MODEL])
 
@@ -60,67 +74,117 @@ async def test_a_direct_request_is_offered_to_its_worker_and_a_shared_one_announ
         )
         offer = await asyncio.wait_for(offers.get(), 5)
         assert offer.data == codec.encode(direct.request)  # the body as queued
-        assert offer.headers["Tollgate-Seq"] == str(direct.seq)
-        assert offer.headers["Tollgate-Lane"] == SUBJECTS.infer_lane(
+        assert offer.headers["Nats-Sequence"] == str(direct.seq)
+        assert offer.headers["Nats-Subject"] == SUBJECTS.infer_lane(
             MODEL, "interactive", "acme", "k1", "w-1"
         )
-        info = await router_nc.request(
-            f"$JS.API.STREAM.INFO.{SUBJECTS.infer_stream}", b"", timeout=5
-        )
-        assert offer.headers["Tollgate-Stream"] == orjson.loads(info.data)["created"]
         assert offer.headers["Tollgate-Request-Id"] == "req-direct"
-        # the queued message is the offered one: same body at that sequence
-        stored = await router_nc.jetstream().get_msg(SUBJECTS.infer_stream, direct.seq)
+        # the queued message is the one sent: same body at that sequence
+        admin = await nats_server.connect(Role.ADMIN, "test-admin", PREFIX)
+        try:
+            stored = await admin.jetstream().get_msg(SUBJECTS.infer_stream, direct.seq)
+        finally:
+            await admin.close()
         assert stored.data == offer.data
 
         shared = await dispatcher.submit(request("req-shared", dispatcher))
         arrival = codec.decode(Arrival, (await asyncio.wait_for(arrivals.get(), 5)).data)
         assert arrival.request_id == "req-shared"
         assert arrival.lane == SUBJECTS.infer_lane(MODEL, "interactive", "acme", "k1")
-        await router_nc.flush()
-        await worker_nc.flush()
-        assert offers.empty() and arrivals.empty()  # one each: no arrival for the direct one
+        await settled(router_nc, worker_nc)
+        # one each: no arrival for the direct one, no copy of the shared one
+        assert offers.empty() and arrivals.empty()
         assert shared.seq is not None
 
-        # a worker whose beats do not say it claims offers (an older one, or one
-        # serving first come, first served) hears of its direct request by an arrival
+        # a worker whose beats do not say it claims the copies (an older one, or
+        # one serving first come, first served) hears of its direct request by an
+        # arrival (the queue still sends the copy; such a worker does not listen)
         await dispatcher.submit(request("req-old-worker", dispatcher), worker_id="w-1")
         arrival = codec.decode(Arrival, (await asyncio.wait_for(arrivals.get(), 5)).data)
         assert arrival.request_id == "req-old-worker"
         assert arrival.lane == SUBJECTS.infer_lane(MODEL, "interactive", "acme", "k1", "w-1")
-        await router_nc.flush()
-        await worker_nc.flush()
-        assert offers.empty()
     finally:
         await router_nc.close()
         await worker_nc.close()
 
 
-async def test_offers_carry_the_queue_created_again_after_a_restart(
+async def test_a_queue_made_again_sends_its_copies_with_its_own_sequences(
     nats_server: NatsServer,
 ) -> None:
-    """The router reads the queue's creation time again after it reconnects."""
-    router_nc = await nats_server.connect(name="test-router")
-    worker_nc = await nats_server.connect(name="test-worker")
-    offers: asyncio.Queue = asyncio.Queue()
+    """After the queue is lost (a restart) and made again, its copies name its new sequences."""
+    router_nc = await nats_server.connect(Role.ROUTER, "test-router", PREFIX)
+    worker_nc = await nats_server.connect(Role.WORKER, "test-worker", PREFIX)
     try:
-        await worker_nc.subscribe(SUBJECTS.offer(MODEL, "w-1"), cb=offers.put)
-        await worker_nc.flush()
+        offers = await listen(worker_nc, SUBJECTS.offer(MODEL, "w-1"))
         dispatcher = Dispatcher(router_nc, Topology(SUBJECTS), "r1")
         await dispatcher.start([MODEL])
-        await dispatcher.submit(request("req-1", dispatcher), worker_id="w-1", offer=True)
-        first = (await asyncio.wait_for(offers.get(), 5)).headers["Tollgate-Stream"]
+        for n in range(3):
+            await dispatcher.submit(request(f"req-{n}", dispatcher), worker_id="w-1", offer=True)
+        first = await asyncio.wait_for(offers.get(), 5)
+        assert first.headers["Tollgate-Request-Id"] == "req-0"
 
-        admin = await nats_server.connect(name="test-admin")
-        try:  # the queue is created again by another router (after a restart that lost it)
+        admin = await nats_server.connect(Role.ADMIN, "test-admin", PREFIX)
+        try:
             await admin.jetstream().delete_stream(SUBJECTS.infer_stream)
-            await Topology(SUBJECTS).ensure_work(admin.jetstream())
         finally:
             await admin.close()
-        router_nc.stats["reconnects"] += 1  # what the client counts when it reconnects
+        while not offers.empty():
+            offers.get_nowait()
+        # the router makes it again when its publish finds no stream
+        again = await dispatcher.submit(
+            request("req-again", dispatcher), worker_id="w-1", offer=True
+        )
+        offer = await asyncio.wait_for(offers.get(), 5)
+        assert again.seq == 1
+        assert offer.headers["Nats-Sequence"] == "1"
+        assert offer.headers["Tollgate-Request-Id"] == "req-again"
+    finally:
+        await router_nc.close()
+        await worker_nc.close()
+
+
+async def test_a_queue_without_the_copies_gets_arrivals_and_a_router_adds_them(
+    nats_server: NatsServer,
+) -> None:
+    """A router of an earlier version may have updated the queue without its republish.
+
+    Routers read the queue's shape with its counts (every half second at
+    most) and announce arrivals for direct requests while it sends no
+    copies; a router of this version that starts brings the shape back.
+    """
+    router_nc = await nats_server.connect(Role.ROUTER, "test-router", PREFIX)
+    worker_nc = await nats_server.connect(Role.WORKER, "test-worker", PREFIX)
+    topology = Topology(SUBJECTS)
+    try:
+        offers = await listen(worker_nc, SUBJECTS.offer(MODEL, "w-1"))
+        arrivals = await listen(worker_nc, SUBJECTS.arrivals(MODEL))
+        dispatcher = Dispatcher(router_nc, topology, "r1")
+        await dispatcher.start([MODEL])
+        js = router_nc.jetstream()
+        old_shape = topology.work.config(topology.replicas)
+        old_shape.republish = None
+        await js.update_stream(old_shape)
+
+        await dispatcher.waiting(MODEL, max_age_s=0)  # what every call's admission reads
+        assert not dispatcher.queue_offers
+        await dispatcher.submit(request("req-1", dispatcher), worker_id="w-1", offer=True)
+        arrival = codec.decode(Arrival, (await asyncio.wait_for(arrivals.get(), 5)).data)
+        assert arrival.request_id == "req-1"
+        await settled(router_nc, worker_nc)
+        assert offers.empty()
+
+        restarted = Dispatcher(router_nc, topology, "r2")
+        await restarted.start([MODEL])
+        info = await js.stream_info(SUBJECTS.infer_stream)
+        assert info.config.republish is not None
+        assert info.config.republish.dest == SUBJECTS.offers_by_lane
+        await dispatcher.waiting(MODEL, max_age_s=0)
+        assert dispatcher.queue_offers
         await dispatcher.submit(request("req-2", dispatcher), worker_id="w-1", offer=True)
-        second = (await asyncio.wait_for(offers.get(), 5)).headers["Tollgate-Stream"]
-        assert second != first
+        offer = await asyncio.wait_for(offers.get(), 5)
+        assert offer.headers["Tollgate-Request-Id"] == "req-2"
+        await settled(router_nc, worker_nc)
+        assert arrivals.empty()
     finally:
         await router_nc.close()
         await worker_nc.close()

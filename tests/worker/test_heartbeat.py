@@ -111,15 +111,15 @@ async def test_a_worker_says_it_claims_offers_while_it_listens_for_them(
             Subjects("tg"),
             "org/offers",
         )
-        assert not consumer.heartbeat().takes_offers  # not listening yet
+        assert not consumer.heartbeat().takes_queued  # not listening yet
         pulling = asyncio.create_task(consumer._pull_loop())
         deadline = time.monotonic() + 10
         while consumer.claims._read_at == 0.0:  # it has subscribed, then read the queue
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
-        assert consumer.heartbeat().takes_offers is fair
+        assert consumer.heartbeat().takes_queued is fair
         consumer._stopping.set()
         await stop_tasks(pulling)
-        assert not consumer.heartbeat().takes_offers
+        assert not consumer.heartbeat().takes_queued
     finally:
         await nc.close()

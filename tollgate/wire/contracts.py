@@ -294,8 +294,15 @@ class WorkerHeartbeat(_Contract):
     takes_offers: bool = Field(
         default=False,
         description="It claims the requests routers offer it on tg.offers.<model>.<worker> "
-        "(its direct lanes, under fair share); a router offers a direct request only to a "
-        "worker that says so, and announces an arrival for it otherwise.",
+        "(its direct lanes, under fair share). Set only by earlier versions: routers no "
+        "longer send these offers, and announce an arrival to a worker that says only this.",
+    )
+    takes_queued: bool = Field(
+        default=False,
+        description="It claims the copies the work queue sends it on "
+        "tg.queued.<model>.<worker> of the requests stored in its direct lanes (under fair "
+        "share); a router announces no arrival for a direct request of a worker that says "
+        "so while the queue sends those copies, and announces one otherwise.",
     )
 
 

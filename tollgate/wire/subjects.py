@@ -151,6 +151,20 @@ class Subjects:
         return f"{self.prefix}.infer.{model_token(model_id)}.*.*.*.{model_token(worker_id)}"
 
     @property
+    def infer_direct_all(self) -> str:
+        """Every worker's direct lanes, of every model (a wildcard: a lane and one more token)."""
+        return f"{self.prefix}.infer.*.*.*.*.*"
+
+    @property
+    def offers_by_lane(self) -> str:
+        """Where the work queue sends a copy of each request stored in a direct lane.
+
+        A subject mapping of :attr:`infer_direct_all`: the lane's model and
+        worker, as in :meth:`offer`.
+        """
+        return f"{self.prefix}.queued.{{{{wildcard(1)}}}}.{{{{wildcard(5)}}}}"
+
+    @property
     def infer_all(self) -> str:
         return f"{self.prefix}.infer.>"
 
@@ -280,8 +294,8 @@ class Subjects:
         return f"{self.prefix}.arrivals.*"
 
     def offer(self, model_id: str, worker_id: str) -> str:
-        """A request queued in one worker's direct lane, offered to that worker with its body."""
-        return f"{self.prefix}.offers.{model_token(model_id)}.{model_token(worker_id)}"
+        """A copy of each request stored in one worker's direct lane, which the queue sends it."""
+        return f"{self.prefix}.queued.{model_token(model_id)}.{model_token(worker_id)}"
 
     @property
     def audit(self) -> str:

@@ -26,6 +26,7 @@ from nats.js.api import (
     ConsumerConfig,
     DiscardPolicy,
     KeyValueConfig,
+    RePublish,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -111,6 +112,10 @@ class StreamSpec:
     max_bytes: int | None = None
     # the shape of its subjects, for the documents (its subjects are wildcards)
     pattern: str | None = None
+    # (source, destination): the server sends a copy of each message stored
+    # under the source subjects to the destination (a subject mapping), with
+    # its sequence, subject and timestamp in headers
+    republish: tuple[str, str] | None = None
 
     @property
     def may_create(self) -> frozenset[Role]:
@@ -134,6 +139,11 @@ class StreamSpec:
             discard=DiscardPolicy.NEW if bounded else DiscardPolicy.OLD,
             discard_new_per_subject=self.max_msgs_per_subject is not None,
             allow_direct=True if self.claimers else None,
+            republish=(
+                RePublish(src=self.republish[0], dest=self.republish[1])
+                if self.republish is not None
+                else None
+            ),
         )
 
 
@@ -209,6 +219,8 @@ class SubjectSpec:
     request_reply: bool = False
     contract: Contract = None
     reply: Contract = None  # of the answer, for request/reply
+    # the stream whose republish sends here (then no service publishes)
+    republished_by: str | None = None
 
 
 def _roles(*roles: Role) -> frozenset[Role]:
@@ -263,6 +275,8 @@ class Topology:
             max_msgs=WORK_MAX_MSGS,
             max_msgs_per_subject=WORK_MAX_MSGS_PER_LANE,
             pattern=f"{s.prefix}.infer.<model>.<class>.<tenant>.<key>",
+            # a request stored in a worker's direct lane is offered to that worker
+            republish=(s.infer_direct_all, s.offers_by_lane),
         )
         self.dead_letter = StreamSpec(
             "usage messages metering could not read, with the reason",
@@ -506,14 +520,15 @@ class Topology:
                 contract=c.Arrival,
             ),
             SubjectSpec(
-                "offers: a request queued in one worker's direct lane, sent to that "
-                "worker with its body (headers Tollgate-Seq, Tollgate-Lane and "
-                "Tollgate-Stream: its sequence, lane and the queue's creation time), "
-                "so it claims it without reading the queue",
-                f"{p}.offers.<model>.<worker>",
-                _roles(R.ROUTER),
+                "offers: a copy of each request stored in one worker's direct lane, sent "
+                "to that worker by the work queue itself as it stores it (a republish; "
+                "headers Nats-Sequence and Nats-Subject: its sequence and lane), so the "
+                "worker claims it without reading the queue. No service publishes here",
+                f"{p}.queued.<model>.<worker>",
+                frozenset(),
                 _roles(R.WORKER),
                 contract=c.InferenceRequest,
+                republished_by=s.infer_stream,
             ),
             SubjectSpec(
                 "tell one worker to drain and exit",
@@ -682,8 +697,9 @@ def describe(topology: Topology) -> str:
         )
     for subject in topology.core:
         kind = "request/reply" if subject.request_reply else "core subject"
+        publishers = who(subject.publishers) or f"(the stream `{subject.republished_by}`)"
         rows.append(
-            f"| {kind} | | `{subject.pattern}` | {who(subject.publishers)} "
+            f"| {kind} | | `{subject.pattern}` | {publishers} "
             f"| {who(subject.subscribers)} | {subject.what} |"
         )
     return "\n".join(rows).replace("_3Cmodel_3E", "<model>") + "\n"
