@@ -531,6 +531,16 @@ class Topology:
                 republished_by=s.infer_stream,
             ),
             SubjectSpec(
+                "offers as earlier versions send them (a router, after the queue's ack, "
+                "with headers Tollgate-Seq, Tollgate-Lane and Tollgate-Stream); kept so "
+                "that routers and workers of the version before mix with this one's "
+                "during a roll-out. This version neither sends nor reads them",
+                f"{p}.offers.<model>.<worker>",
+                _roles(R.ROUTER),
+                _roles(R.WORKER),
+                contract=c.InferenceRequest,
+            ),
+            SubjectSpec(
                 "tell one worker to drain and exit",
                 f"{p}.control.drain.<worker>",
                 _roles(R.SCALER, R.ADMIN),
