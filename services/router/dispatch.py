@@ -11,11 +11,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.api import RePublish
 from nats.js.errors import APIError, NoStreamResponseError
 
 from services.router.errors import PayloadTooLarge
@@ -31,6 +31,7 @@ from tollgate.wire.contracts import (
     ResponseChunk,
     Usage,
 )
+from tollgate.wire.subjects import QUEUE_HEADER
 from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.dispatch")
@@ -113,11 +114,14 @@ class Dispatcher:
         # this router's calls running on each worker, now and when its latest beat came
         self._running: dict[str, int] = {}
         self._running_at_beat: dict[str, int] = {}
-        # whether the work queue sends workers the requests of their direct
-        # lanes (its republish, as this version declares it), as last read; a
-        # router of an earlier version may have updated the queue without it
+        # The work queue as last read with its counts (:meth:`waiting`):
+        # whether it sends workers the requests of their direct lanes (its
+        # republish as this version declares it: a router of an earlier
+        # version may have updated the queue without it), and its creation
+        # time (its identity), with this connection's reconnects then.
         self.queue_offers = True
-        self._republish: RePublish | None = None  # as this version declares it
+        self._republish: dict[str, object] | None = None
+        self._created: tuple[str, int] | None = None
 
     async def start(self, model_ids: Iterable[str], body_limit: int | None = None) -> None:
         """Create the work queue and each model's worker consumer, then take chunks.
@@ -134,8 +138,10 @@ class Dispatcher:
                 f"max_payload (Tollgate's own configurations set {MAX_PAYLOAD})."
             )
         self.model_ids = list(model_ids)
-        self._republish = self.topology.work.config(self.topology.replicas).republish
+        republish = self.topology.work.config(self.topology.replicas).republish
+        self._republish = republish.as_dict() if republish is not None else None
         await self.topology.ensure_work(self.js)
+        await self._read_queue()
         await self.nc.subscribe(
             f"{self.subjects.reply_prefix(self.router_id)}.*", cb=self._on_chunk
         )
@@ -182,8 +188,11 @@ class Dispatcher:
         work queue itself offers it: as it stores a request in a direct lane,
         it sends a copy to the lane's worker with its sequence (a republish,
         :attr:`Subjects.offers_by_lane`), so the worker may start it before
-        this router has the queue's acknowledgement. Any other request is
-        announced (an arrival) once the queue has it.
+        this router has the queue's acknowledgement; the request carries the
+        queue's creation time as this router last read it
+        (:data:`~tollgate.wire.subjects.QUEUE_HEADER`), which tells the worker
+        which queue that sequence is in. Any other request is announced (an
+        arrival) once the queue has it.
         """
         call = Call(request)
         call.reconnects = int(self.nc.stats["reconnects"])
@@ -273,11 +282,18 @@ class Dispatcher:
         )
         msg_id = call.token
         headers = tracing.inject({"Nats-Msg-Id": msg_id, "Tollgate-Request-Id": request.request_id})
+        queue = self._queue_identity() if call.offer else None
+        if queue is not None:
+            # which queue the worker's copy comes from: its sequence names a
+            # request in that queue only (one made again counts from 1)
+            headers[QUEUE_HEADER] = queue
         try:
             try:
                 ack = await self.js.publish(subject, data, headers=headers, timeout=5)
             except NoStreamResponseError:
                 # The in-memory stream is gone (NATS restarted): recreate it once.
+                self._created = None
+                headers.pop(QUEUE_HEADER, None)  # the new queue's is not read yet
                 await self.topology.ensure_work(self.js)
                 ack = await self.js.publish(subject, data, headers=headers, timeout=5)
         except BaseException as exc:
@@ -343,14 +359,33 @@ class Dispatcher:
         now = time.monotonic()
         seen = self._waiting.get(model)
         if seen is None or now - seen[0] > max_age_s:
-            info = await self.js.stream_info(
-                self.subjects.infer_stream, subjects_filter=self.subjects.infer_lanes(model)
-            )
-            seen = self._waiting[model] = (now, sum((info.state.subjects or {}).values()))
-            self.queue_offers = info.config.republish == self._republish
+            info = await self._read_queue(self.subjects.infer_lanes(model))
+            counts = (info.get("state") or {}).get("subjects") or {}
+            seen = self._waiting[model] = (now, sum(int(n) for n in counts.values()))
         read_at, count = seen
         mine = self._unstarted.get(model)
         return count + (sum(1 for at in mine.values() if at > read_at) if mine else 0)
+
+    async def _read_queue(self, lanes: str | None = None) -> dict[str, Any]:
+        """The work queue's info (with the counts of ``lanes``): its republish and identity."""
+        reconnects = int(self.nc.stats["reconnects"])
+        request = orjson.dumps({"subjects_filter": lanes} if lanes else {})
+        reply = await self.nc.request(
+            f"$JS.API.STREAM.INFO.{self.subjects.infer_stream}", request, timeout=5
+        )
+        info: dict[str, Any] = orjson.loads(reply.data)
+        if "error" in info:
+            raise RuntimeError(f"work queue: {info['error'].get('description')}")
+        self.queue_offers = (info.get("config") or {}).get("republish") == self._republish
+        created = info.get("created")
+        self._created = (created, reconnects) if isinstance(created, str) else None
+        return info
+
+    def _queue_identity(self) -> str | None:
+        """The work queue's creation time as last read; None if not read since a reconnect."""
+        if self._created is None or self._created[1] != self.nc.stats["reconnects"]:
+            return None
+        return self._created[0]
 
     @property
     def in_flight(self) -> int:

@@ -37,8 +37,10 @@ fails (another worker took the request after its wait, or its router
 withdrew it) is dropped, and the work started for it is stopped and sent
 nowhere; so is every offer once the queue turns out to have been created
 again (a restarted server counts sequences from 1 again, so an old sequence
-may name another request), and an offer that comes before this worker has
-read the queue since it last reconnected only counts as an arrival.
+may name another request). An offer counts only as an arrival (and the
+queue is read again) unless its router's read of the queue's creation time
+(:data:`~tollgate.wire.subjects.QUEUE_HEADER`) is the one this worker read,
+after its last reconnect.
 
 Other workers learn of a direct request from the counts (read at least every
 second): a lane first seen there opens at once, and the request's own
@@ -139,7 +141,6 @@ class WorkClaims:
         # server's memory stream counts sequences from 1 again), its first and
         # last sequence, and this connection's reconnects when it was read
         self._created: str | None = None
-        self._created_at: float | None = None  # the same, as Unix time
         self._first_seq = 0
         self._last_seq = 0
         self._read_reconnects = -1
@@ -153,30 +154,30 @@ class WorkClaims:
             self._stale = True
 
     def offered(
-        self, lane: str, seq: int, data: bytes, headers: dict[str, str], stamp: float | None
+        self, lane: str, seq: int, data: bytes, headers: dict[str, str], queue: str | None
     ) -> bool:
         """The queue stored a request as ``seq`` in this worker's direct ``lane`` (see the docs).
 
-        ``stamp``: when the queue stored it (Unix time). False when the offer
-        is only taken as news that a request waits: ``lane`` is not one of
-        this worker's direct lanes; fair share is off (first come, first
+        ``queue``: the queue's creation time as the request's router last read
+        it (:data:`~tollgate.wire.subjects.QUEUE_HEADER`). False when the
+        offer is only taken as news that a request waits: ``lane`` is not one
+        of this worker's direct lanes; fair share is off (first come, first
         served compares the lanes' oldest requests, which only reading
         gives); or the offer may name a sequence of another queue than the one
         this worker last read, where that sequence may be another request:
-        this worker has not read the queue since it last reconnected (the
-        server may have restarted, and its queue counts sequences from 1
-        again), or the request was stored before the queue this worker read
-        was created (a copy from the queue before, handled late).
+        ``queue`` is not that one's creation time (the queue was made again,
+        or the router has not read it since), or this worker has not read the
+        queue since it last reconnected. The queue is then read again before
+        the next take (which drops the offers held from an old one).
         """
         parsed = Lane.parse(lane) if lane.startswith(self._prefix) else None
         if parsed is None or self.me is None or parsed.worker != self.me or not self.fair:
             self.arrived(lane if parsed is not None else None)
             return False
         if (
-            self.nc.stats["reconnects"] != self._read_reconnects
-            or stamp is None
-            or self._created_at is None
-            or stamp < self._created_at
+            queue is None
+            or queue != self._created
+            or self.nc.stats["reconnects"] != self._read_reconnects
         ):
             self._stale = True  # read the queue again: the request is counted there
             return False
@@ -374,7 +375,6 @@ class WorkClaims:
         created = info.get("created")
         created_again = created != self._created
         self._created, self._read_reconnects = created, reconnects
-        self._created_at = stream_time(created) if isinstance(created, str) else None
         self._first_seq = int(state.get("first_seq", 0))
         self._last_seq = int(state.get("last_seq", 0))
         self._forget_offers(created_again)
@@ -390,7 +390,7 @@ class WorkClaims:
             raise RuntimeError(f"work queue: {headers.get('Status')} {headers.get('Description')}")
         seq = int(headers.pop("Nats-Sequence"))
         lane = headers.pop("Nats-Subject", subject)
-        stamp = stream_time(headers.pop("Nats-Time-Stamp", None))
+        stamp = _stamp(headers.pop("Nats-Time-Stamp", None))
         for name in ("Nats-Stream", "Nats-Last-Sequence"):
             headers.pop(name, None)
         parsed = Lane.parse(lane)
@@ -434,7 +434,7 @@ class _Offer:
     headers: dict[str, str]
 
 
-def stream_time(value: str | None) -> float | None:
+def _stamp(value: str | None) -> float | None:
     """Unix time of a stream timestamp (RFC 3339, nanoseconds, UTC); None if unreadable."""
     if not value:
         return None

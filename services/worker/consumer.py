@@ -21,7 +21,7 @@ from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 
 from services.worker.adapters import Adapters
-from services.worker.claims import Claimed, WorkClaims, stream_time
+from services.worker.claims import Claimed, WorkClaims
 from services.worker.engine import (
     Engine,
     EngineResult,
@@ -52,7 +52,7 @@ from tollgate.wire.contracts import (
     WorkerState,
 )
 from tollgate.wire.errors import error_json
-from tollgate.wire.subjects import Subjects
+from tollgate.wire.subjects import QUEUE_HEADER, Subjects
 from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.worker")
@@ -375,15 +375,15 @@ class WorkerConsumer:
         """The queue's copy of a request it stored in one of this worker's direct lanes."""
         headers = dict(msg.headers or {})
         lane = headers.pop("Nats-Subject", "")
-        stamp = stream_time(headers.pop("Nats-Time-Stamp", None))
-        for name in ("Nats-Stream", "Nats-Last-Sequence"):
+        queue = headers.pop(QUEUE_HEADER, None)
+        for name in ("Nats-Stream", "Nats-Time-Stamp", "Nats-Last-Sequence"):
             headers.pop(name, None)
         try:
             seq = int(headers.pop("Nats-Sequence", ""))
         except ValueError:
             log.warning("offer without a sequence ignored")
             return
-        self.claims.offered(lane, seq, msg.data, headers, stamp)
+        self.claims.offered(lane, seq, msg.data, headers, queue)
         self._arrival.set()
 
     async def _pull_loop(self) -> None:
@@ -396,6 +396,7 @@ class WorkerConsumer:
                     self.subjects.offer(self.model_id, self.worker_id), cb=self._on_offer
                 )
             )
+            await self.nc.flush()  # the server has the subscription before beats say so
         self._takes_offers = self.claims.fair
         try:
             await self._pull()
@@ -590,7 +591,7 @@ class WorkerConsumer:
         }
 
         async def report_then_log() -> None:
-            # Logged once the END is on its way: the line is not on the call's path.
+            # Logged once the report is answered (or kept): not on the call's path.
             try:
                 await reply.end(
                     self._orphans,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import orjson
 from nats.aio.client import Client as NATS
 
 from services.router.dispatch import Dispatcher
@@ -79,6 +80,10 @@ async def test_the_queue_sends_a_direct_request_to_its_worker_and_a_shared_one_i
             MODEL, "interactive", "acme", "k1", "w-1"
         )
         assert offer.headers["Tollgate-Request-Id"] == "req-direct"
+        # the queue it came from, as the router read it (a worker claims by the
+        # sequence only in that queue)
+        info = await router_nc.request(f"$JS.API.STREAM.INFO.{SUBJECTS.infer_stream}", b"")
+        assert offer.headers["Tollgate-Queue"] == orjson.loads(info.data)["created"]
         # the queued message is the one sent: same body at that sequence
         admin = await nats_server.connect(Role.ADMIN, "test-admin", PREFIX)
         try:
@@ -138,6 +143,13 @@ async def test_a_queue_made_again_sends_its_copies_with_its_own_sequences(
         assert again.seq == 1
         assert offer.headers["Nats-Sequence"] == "1"
         assert offer.headers["Tollgate-Request-Id"] == "req-again"
+        # not the old queue's identity: read again once the queue was made again
+        assert offer.headers.get("Tollgate-Queue") != first.headers["Tollgate-Queue"]
+        await dispatcher.waiting(MODEL, max_age_s=0)  # what the next call's admission reads
+        await dispatcher.submit(request("req-next", dispatcher), worker_id="w-1", offer=True)
+        info = await router_nc.request(f"$JS.API.STREAM.INFO.{SUBJECTS.infer_stream}", b"")
+        offer = await asyncio.wait_for(offers.get(), 5)
+        assert offer.headers["Tollgate-Queue"] == orjson.loads(info.data)["created"]
     finally:
         await router_nc.close()
         await worker_nc.close()

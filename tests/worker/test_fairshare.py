@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 
+import orjson
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -440,7 +441,7 @@ async def test_an_offered_request_is_claimed_without_reading_the_queue(
     await claims.take()  # nothing yet: the worker has read the queue
     sent = await publish_offered(router, [mine, mine])
     for seq, body in sent:
-        assert claims.offered(mine, seq, body, {"Tollgate-Request-Id": "r"}, time.time())
+        assert claims.offered(mine, seq, body, {"Tollgate-Request-Id": "r"}, claims._created)
     taken = [await claims.take() for _ in range(2)]
     assert [(c.data, c.source, c.subject) for c in taken if c is not None] == [
         (body, "direct", mine) for _, body in sent
@@ -467,7 +468,7 @@ async def test_an_offer_another_worker_took_first_is_dropped_and_runs_nowhere_tw
     other = WorkClaims(worker, S, model, "w-2", spill_after_s=0)  # it spilled to w-2
     spilled = await other.take()
     assert spilled is not None and (spilled.data, spilled.source) == (body, "spilled")
-    assert claims.offered(mine, seq, body, {}, time.time())
+    assert claims.offered(mine, seq, body, {}, claims._created)
     ahead = await claims.take()  # claimed ahead: its delete fails, so it is not this worker's
     assert ahead is not None and ahead.confirm is not None and await ahead.confirm is False
     assert claims._offers == {} and claims._offered_bytes == 0
@@ -486,7 +487,7 @@ async def test_a_lane_holding_more_than_its_offers_is_read_oldest_first(
     claims = CountingReads(worker, S, model, "w-1")
     await claims._read_backlog()  # 3 waiting
     for seq, body in sent[1:]:  # the first was never offered
-        assert claims.offered(mine, seq, body, {}, time.time())
+        assert claims.offered(mine, seq, body, {}, claims._created)
     assert claims._backlog == {mine: 3}
     taken = [await claims.take() for _ in range(3)]
     assert [c.data for c in taken if c is not None] == [body for _, body in sent]
@@ -505,7 +506,7 @@ async def test_a_request_claimed_by_reading_spends_its_offer(
     claims = CountingReads(worker, S, model, "w-1")
     await claims._read_backlog()
     [(seq, body)] = await publish_offered(router, [mine])
-    assert claims.offered(mine, seq, body, {}, time.time())
+    assert claims.offered(mine, seq, body, {}, claims._created)
     claims._backlog[mine] = 2  # more waits than was offered (one offer lost): read the lane
     got = await claims.take()
     assert got is not None and got.data == body and claims.reads == 1
@@ -522,9 +523,8 @@ async def test_offers_from_before_a_server_restart_are_never_claimed_by_their_se
     claims = CountingReads(worker, S, model, "w-1")
     await claims._read_backlog()
     old = await publish_offered(router, [mine, mine])
-    old_stamp = time.time()  # when the queue stored them (at most)
-    assert claims.offered(mine, old[0][0], old[0][1], {}, old_stamp)  # held (no free slot)
     old_created = claims._created
+    assert claims.offered(mine, old[0][0], old[0][1], {}, old_created)  # held (no free slot)
 
     before = (router.stats["reconnects"], worker.stats["reconnects"])
     server.stop()
@@ -547,9 +547,53 @@ async def test_offers_from_before_a_server_restart_are_never_claimed_by_their_se
     assert claims._offers == {} and claims._created != old_created
     # the old queue's copy of the second, handled only now (it waited in this
     # worker's buffers over the restart): stored before the queue it read was made
-    assert not claims.offered(mine, old[1][0], old[1][1], {}, old_stamp)
+    assert not claims.offered(mine, old[1][0], old[1][1], {}, old_created)
     assert await claims.take() is None
     assert await queued(server, victims) == many  # no other request was taken
+
+
+async def queue_created(nc: NATS) -> str:
+    """The work queue's creation time, as a router reads it (its identity)."""
+    reply = await nc.request(f"$JS.API.STREAM.INFO.{S.infer_stream}", b"", timeout=5)
+    return str(orjson.loads(reply.data)["created"])
+
+
+async def test_offers_held_from_a_queue_made_again_are_never_claimed_by_their_sequence(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    """The queue is deleted and made again while the worker stays connected.
+
+    The worker holds an offer of the old queue; the new one counts sequences
+    from 1 again, so that sequence names another model's request there. The
+    first copy from the new queue says so (its router's read of the queue's
+    creation time): the worker reads the queue again, drops the old offer
+    and takes its new request by reading.
+    """
+    model, victims = "sim/claims-offer-made-again", "sim/claims-offer-made-again-victim"
+    mine = direct("acme", "w-1", model)
+    claims = CountingReads(worker, S, model, "w-1")
+    await claims._read_backlog()
+    old = await publish_offered(router, [mine])
+    assert claims.offered(mine, old[0][0], old[0][1], {}, claims._created)  # held
+
+    admin = await server.connect(Role.ADMIN, name="test-admin")
+    try:
+        await admin.jetstream().delete_stream(S.infer_stream)
+    finally:
+        await admin.close()
+    await T.ensure_work(router.jetstream())
+    assert worker.stats["reconnects"] == claims._read_reconnects  # no reconnect to tell
+    many = old[0][0] + 1
+    victim = await publish_offered(router, [lane("globex", model=victims)] * many)
+    assert old[0][0] in {seq for seq, _ in victim}  # the old sequence names a victim now
+    [(seq, body)] = await publish_offered(router, [mine])
+    assert not claims.offered(mine, seq, body, {}, await queue_created(router))
+    assert claims._stale
+
+    got = await claims.take()  # read again: the old offer is dropped, the new request read
+    assert got is not None and got.data == body and got.confirm is None
+    assert claims._offers == {}
+    assert await queued(server, victims) == many  # no victim was deleted
 
 
 async def test_an_offer_after_a_reconnect_waits_for_the_queue_to_be_read_again(
@@ -561,7 +605,7 @@ async def test_an_offer_after_a_reconnect_waits_for_the_queue_to_be_read_again(
     await claims._read_backlog()
     [(seq, body)] = await publish_offered(router, [mine])
     claims._read_reconnects -= 1  # read before this connection's latest reconnect
-    assert not claims.offered(mine, seq, body, {}, time.time())
+    assert not claims.offered(mine, seq, body, {}, claims._created)
     assert claims._stale  # read again first: the request is counted there
     got = await claims.take()
     assert got is not None and got.data == body and claims.reads == 1
@@ -583,7 +627,7 @@ async def test_offers_outside_the_worker_s_own_direct_lanes_are_not_taken_as_off
     model = "sim/claims-offer-foreign"
     claims = WorkClaims(worker, S, model, "w-1")
     await claims._read_backlog()
-    assert not claims.offered(subject_of(model), 1, b"{}", {}, time.time())
+    assert not claims.offered(subject_of(model), 1, b"{}", {}, claims._created)
     assert claims._offers == {}
 
 
@@ -594,7 +638,7 @@ async def test_without_fair_share_offers_are_only_arrivals(
     mine = direct("acme", "w-1", model)
     claims = WorkClaims(worker, S, model, "w-1", fair=False)
     await claims._read_backlog()
-    assert not claims.offered(mine, 1, b"{}", {}, time.time())
+    assert not claims.offered(mine, 1, b"{}", {}, claims._created)
     assert claims._offers == {} and claims._backlog == {mine: 1}
 
 
@@ -609,15 +653,17 @@ async def test_offers_are_bounded_the_first_to_come_dropped_first(
     mine = direct("acme", "w-1", model)
     base = claims._last_seq + 1
     for seq in range(base, base + module.MAX_OFFERS + 10):
-        assert claims.offered(mine, seq, b"x" * 10, {}, time.time())
+        assert claims.offered(mine, seq, b"x" * 10, {}, claims._created)
     assert len(claims._offers) == module.MAX_OFFERS
     assert min(claims._offers) == base + 10  # the ten that came first went
-    assert claims.offered(mine, base + 10, b"x" * 10, {}, time.time())  # offered twice: one kept
+    assert claims.offered(
+        mine, base + 10, b"x" * 10, {}, claims._created
+    )  # offered twice: one kept
     assert len(claims._offers) == module.MAX_OFFERS
     assert claims._offered_bytes == 10 * module.MAX_OFFERS
     big = b"y" * (module.MAX_OFFER_BYTES // 2 + 1)
-    claims.offered(mine, base + 10_000, big, {}, time.time())
-    claims.offered(mine, base + 10_001, big, {}, time.time())
+    claims.offered(mine, base + 10_000, big, {}, claims._created)
+    claims.offered(mine, base + 10_001, big, {}, claims._created)
     assert claims._offered_bytes <= module.MAX_OFFER_BYTES
     assert base + 10_001 in claims._offers
     assert claims._offered_bytes == sum(len(o.data) for o in claims._offers.values())
@@ -633,7 +679,7 @@ async def test_an_offer_claimed_ahead_is_not_deleted_after_a_reconnect(
     claims = CountingReads(worker, S, model, "w-1")
     await claims._read_backlog()
     [(seq, body)] = await publish_offered(router, [mine])
-    assert claims.offered(mine, seq, body, {}, time.time())
+    assert claims.offered(mine, seq, body, {}, claims._created)
     ahead = await claims.take()
     assert ahead is not None and ahead.confirm is not None
     worker.stats["reconnects"] += 1  # the connection came back before the delete went out

@@ -44,6 +44,14 @@ def model_token(model_id: str) -> str:
     return "".join(out)
 
 
+# The header of a request in a worker's direct lane that its worker may claim
+# by its sequence: the work queue's creation time as its router last read it.
+# The queue's copy carries it to the worker, which uses that sequence only if
+# the copy comes from the queue the worker read (a queue made again counts
+# sequences from 1, so an old sequence may name another request there).
+QUEUE_HEADER = "Tollgate-Queue"
+
+
 @dataclass(frozen=True)
 class Lane:
     """The parts of a lane subject (:meth:`Subjects.infer_lane`), tokens as they are.

@@ -522,8 +522,9 @@ class Topology:
             SubjectSpec(
                 "offers: a copy of each request stored in one worker's direct lane, sent "
                 "to that worker by the work queue itself as it stores it (a republish; "
-                "headers Nats-Sequence and Nats-Subject: its sequence and lane), so the "
-                "worker claims it without reading the queue. No service publishes here",
+                "headers Nats-Sequence and Nats-Subject: its sequence and lane; the "
+                "router's Tollgate-Queue: the queue's creation time as it read it), so "
+                "the worker claims it without reading the queue. No service publishes here",
                 f"{p}.queued.<model>.<worker>",
                 frozenset(),
                 _roles(R.WORKER),
