@@ -141,7 +141,10 @@ class Dispatcher:
         republish = self.topology.work.config(self.topology.replicas).republish
         self._republish = republish.as_dict() if republish is not None else None
         await self.topology.ensure_work(self.js)
-        await self._read_queue()
+        try:  # unread, offers count as arrivals until the first call's admission reads it
+            await self._read_queue()
+        except Exception as exc:
+            log.warning("work queue unread: %s: %s", type(exc).__name__, str(exc))
         await self.nc.subscribe(
             f"{self.subjects.reply_prefix(self.router_id)}.*", cb=self._on_chunk
         )
