@@ -63,6 +63,11 @@ _CANCELLED_KEPT = 10_000
 
 # How long the router that holds a call has to acknowledge its END chunk.
 END_ACK_TIMEOUT_S = 3.0
+# A final report nobody listens for is sent again every END_RESEND_EVERY_S for
+# END_RESEND_FOR_S before it is kept in the orphans bucket (the router waits
+# this long for a report after its client left: TOLLGATE_ROUTER_LATE_USAGE_WAIT_S).
+END_RESEND_EVERY_S = 0.25
+END_RESEND_FOR_S = 2.0
 # How long a final report no router acknowledged is offered to the orphans
 # bucket while NATS cannot take it (a restart), the wait doubling up to 5 s.
 ORPHAN_RETRY_S = 120.0
@@ -133,11 +138,22 @@ class _Reply:
         """
         await self.claimed()
         data = self._chunk(ChunkKind.END, **fields)
-        try:
-            await self.nc.request(self.request.reply_to, data, timeout=END_ACK_TIMEOUT_S)
-            return True
-        except (NoRespondersError, TimeoutError):
-            pass
+        # Sent again while nobody listens for a short while: after NATS comes
+        # back, this worker may reconnect before the router has subscribed again.
+        give_up = time.monotonic() + END_RESEND_FOR_S
+        while True:
+            reconnects = self.nc.stats["reconnects"]
+            try:
+                await self.nc.request(self.request.reply_to, data, timeout=END_ACK_TIMEOUT_S)
+                return True
+            except NoRespondersError:
+                if time.monotonic() >= give_up:
+                    break
+                await asyncio.sleep(END_RESEND_EVERY_S)
+            except TimeoutError:
+                # cut off meanwhile: the report may not have reached the router
+                if self.nc.stats["reconnects"] == reconnects or time.monotonic() >= give_up:
+                    break
         await keep_orphan(orphans, self.request.request_id, data)
         return False
 

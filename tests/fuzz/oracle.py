@@ -10,6 +10,7 @@ a 503 there has no capacity reason and counts.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from collections.abc import Iterable, Mapping
@@ -339,7 +340,15 @@ async def settled_gauges(router_url: str, timeout: float = 30) -> dict[str, floa
 
 
 def log_files(*folders: Path) -> list[Path]:
-    return sorted({p for folder in folders for p in folder.rglob("*.log") if p.is_file()})
+    """The log files under ``folders``; folders that vanish while read are passed over.
+
+    (The services still run: ClickHouse removes its temporary parts meanwhile.)
+    """
+    found: set[Path] = set()
+    for folder in folders:
+        for root, _dirs, files in os.walk(folder):  # os.walk skips what it cannot read
+            found.update(Path(root) / name for name in files if name.endswith(".log"))
+    return sorted(p for p in found if p.is_file())
 
 
 def secrets_in_logs(files: Iterable[Path], secrets: Mapping[str, str]) -> list[str]:

@@ -3,9 +3,15 @@ when NATS cannot take it at first (it went down with the router's host)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from services.worker.consumer import keep_orphan
+import pytest
+from nats.errors import NoRespondersError
+
+from services.worker import consumer
+from services.worker.consumer import _Reply, keep_orphan
+from tollgate.wire.contracts import Endpoint, InferenceRequest, Outcome
 
 
 class _Bucket:
@@ -45,3 +51,49 @@ async def test_a_report_nats_never_takes_is_given_up_after_the_retry_time() -> N
     assert not await keep_orphan(orphans, "req-1", b"end", retry_s=1.2)
     assert orphans.kept == {}
     assert 2 <= len(orphans.opened) <= 4  # tried again while the time lasted
+
+
+class _Bus:
+    """A connection whose first requests find nobody listening (a router not yet back)."""
+
+    def __init__(self, unheard: int) -> None:
+        self.unheard = unheard
+        self.sent = 0
+        self.stats = {"reconnects": 0}
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> None:
+        self.sent += 1
+        if self.sent <= self.unheard:
+            raise NoRespondersError
+
+
+def _reply(nc: _Bus) -> _Reply:
+    now = time.time()
+    request = InferenceRequest(
+        request_id="req-end",
+        model="m/x",
+        endpoint=Endpoint.CHAT,
+        body={"model": "m/x", "messages": []},
+        reply_to="tg.reply.r1.req-end",
+        enqueued_at=now,
+        start_by=now + 30,
+        deadline=now + 60,
+    )
+    return _Reply(nc, request, "w-1")  # type: ignore[arg-type]
+
+
+async def test_a_report_nobody_hears_yet_is_sent_again_before_it_is_kept() -> None:
+    """After NATS comes back, the router may subscribe again after this worker reconnected."""
+    nc = _Bus(unheard=3)
+    orphans = _FlakyOrphans(failures=0)
+    assert await _reply(nc).end(orphans, outcome=Outcome.COMPLETED)
+    assert nc.sent == 4 and orphans.kept == {}
+
+
+async def test_a_report_nobody_hears_for_long_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(consumer, "END_RESEND_FOR_S", 0.3)
+    nc = _Bus(unheard=1000)
+    orphans = _FlakyOrphans(failures=0)
+    assert not await _reply(nc).end(orphans, outcome=Outcome.COMPLETED)
+    assert 2 <= nc.sent <= 4  # every 0.25 s for 0.3 s
+    assert list(orphans.kept) == ["req-end"]
