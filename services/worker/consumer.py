@@ -147,13 +147,17 @@ class _Reply:
                 await self.nc.request(self.request.reply_to, data, timeout=END_ACK_TIMEOUT_S)
                 return True
             except NoRespondersError:
-                if time.monotonic() >= give_up:
-                    break
-                await asyncio.sleep(END_RESEND_EVERY_S)
+                pass
             except TimeoutError:
-                # cut off meanwhile: the report may not have reached the router
-                if self.nc.stats["reconnects"] == reconnects or time.monotonic() >= give_up:
-                    break
+                if self.nc.stats["reconnects"] == reconnects:
+                    break  # heard by nobody with the connection up all along
+            if self.nc.stats["reconnects"] != reconnects:
+                # cut off meanwhile: the router may be reconnecting too, so the
+                # wait for it to listen again starts now
+                give_up = time.monotonic() + END_RESEND_FOR_S
+            if time.monotonic() >= give_up:
+                break
+            await asyncio.sleep(END_RESEND_EVERY_S)
         await keep_orphan(orphans, self.request.request_id, data)
         return False
 

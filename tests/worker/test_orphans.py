@@ -3,6 +3,7 @@ when NATS cannot take it at first (it went down with the router's host)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -56,13 +57,17 @@ async def test_a_report_nats_never_takes_is_given_up_after_the_retry_time() -> N
 class _Bus:
     """A connection whose first requests find nobody listening (a router not yet back)."""
 
-    def __init__(self, unheard: int) -> None:
+    def __init__(self, unheard: int, cut_off_s: float = 0.0) -> None:
         self.unheard = unheard
+        self.cut_off_s = cut_off_s  # the first request waits this long for a reconnect
         self.sent = 0
         self.stats = {"reconnects": 0}
 
     async def request(self, subject: str, data: bytes, timeout: float) -> None:
         self.sent += 1
+        if self.sent == 1 and self.cut_off_s:
+            await asyncio.sleep(self.cut_off_s)
+            self.stats["reconnects"] += 1
         if self.sent <= self.unheard:
             raise NoRespondersError
 
@@ -97,3 +102,15 @@ async def test_a_report_nobody_hears_for_long_is_kept(monkeypatch: pytest.Monkey
     assert not await _reply(nc).end(orphans, outcome=Outcome.COMPLETED)
     assert 2 <= nc.sent <= 4  # every 0.25 s for 0.3 s
     assert list(orphans.kept) == ["req-end"]
+
+
+async def test_a_report_sent_while_cut_off_is_sent_again_once_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sent while this worker was cut off, it went out on the reconnect, found nobody
+    yet (its router reconnecting too), and is sent again: the wait starts anew."""
+    monkeypatch.setattr(consumer, "END_RESEND_FOR_S", 0.3)
+    nc = _Bus(unheard=1, cut_off_s=0.5)
+    orphans = _FlakyOrphans(failures=0)
+    assert await _reply(nc).end(orphans, outcome=Outcome.COMPLETED)
+    assert nc.sent == 2 and orphans.kept == {}
