@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import httpx
 import orjson
@@ -23,10 +24,14 @@ BODY = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}], "ma
 
 
 @pytest.fixture(scope="module")
-def admin(stack: Stack, api_key: str) -> httpx.Client:
-    _, base = stack.auth(TOLLGATE_AUTH_REACTIVATE_EVERY_S="0.5")
+def admin(stack: Stack, api_key: str) -> Iterator[httpx.Client]:
+    service, base = stack.auth(TOLLGATE_AUTH_REACTIVATE_EVERY_S="0.5")
     token = (auth_dir(stack.var_dir) / "admin-token").read_text().strip()
-    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    with httpx.Client(
+        base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10
+    ) as client:
+        yield client
+    service.stop()  # later modules share its consumers (webhook retries): it leaves with its tests
 
 
 def chat(router_url: str, token: str, **body: object) -> httpx.Response:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Iterator
 from decimal import Decimal
 from urllib.parse import quote
 
@@ -26,10 +27,14 @@ CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def admin(stack: Stack, api_key: str) -> httpx.Client:  # api_key: the stack's bootstrap
-    _, base = stack.auth(TOLLGATE_AUTH_REACTIVATE_EVERY_S="0.5")
+def admin(stack: Stack, api_key: str) -> Iterator[httpx.Client]:  # api_key: the bootstrap
+    service, base = stack.auth(TOLLGATE_AUTH_REACTIVATE_EVERY_S="0.5")
     token = (auth_dir(stack.var_dir) / "admin-token").read_text().strip()
-    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    with httpx.Client(
+        base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10
+    ) as client:
+        yield client
+    service.stop()  # later modules share its consumers (webhook retries): it leaves with its tests
 
 
 def new_tenant() -> str:

@@ -186,8 +186,10 @@ async def test_alerts_reach_a_receiver_that_comes_up_late_signed_and_once(
     # the budget lowered to what was spent: both thresholds are passed at once
     admin.patch(f"/admin/keys/{key_id}", json={"budget_tokens": billed})
 
-    # The alerts are on the bus while the receiver is down: their calls fail (in this
-    # auth service or another of the session, which share the consumer) and are retried.
+    # The alerts are on the bus while the receiver is down: their calls fail and are
+    # retried. Every auth service of the session shares the consumer and its delivery
+    # count, so one with the default retry (5 s doubling) would wait minutes here: the
+    # modules before this one stop theirs.
     js_alerts = await alerts_of(stack, tenant, 2)
     assert sorted(a.threshold_pct for a in js_alerts) == [50, 100]
     await asyncio.sleep(1.5)
