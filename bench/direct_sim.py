@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import orjson
 from aiohttp import web
@@ -18,6 +19,8 @@ from tollgate.models.cache import prepare_model
 from tollgate.models.catalog import load_catalog
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire.contracts import Endpoint
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 async def serve(model: str, port: int) -> None:
@@ -43,6 +46,11 @@ async def serve(model: str, port: int) -> None:
     async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "ready"})
 
+    await serve_chat(port, chat, ready)
+
+
+async def serve_chat(port: int, chat: Handler, ready: Handler) -> None:
+    """Serve ``chat`` at the chat path and ``ready`` at ``/readyz`` on loopback, for good."""
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/readyz", ready)

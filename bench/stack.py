@@ -6,7 +6,10 @@ ports and ``var/``: one from this tree and one from a baseline revision
 packages). Each serves one simulated-engine model (a test double: answers at
 once, one output token) at one warm worker, with nats-server's monitoring
 port on. A third process serves the same simulated engine behind a bare HTTP
-server (``bench/direct_sim.py``): what the engine alone takes.
+server (``bench/direct_sim.py``): what the engine alone takes. A fourth set
+(``bench/bare_path.py``: its own nats-server, a bare router and worker) serves
+it over the same hops with nothing of Tollgate's on them: what the hops and the
+packages alone add.
 
 In alternating rounds, at concurrency 1 and 16, non-streamed chat calls of
 one output token with the stack's demo key (no limits) go to each stack's
@@ -40,7 +43,8 @@ import httpx
 
 from bench import procs as P
 from bench.load import RunStats, run_load
-from tests.lib.net import free_port
+from tests.lib.net import free_port, wait_for_port
+from tollgate.app.supervisor import nats_server_binary
 
 # The commit before the stack's per-request costs were cut (the scaler's and
 # the budget ledger's); ``--baseline`` overrides it.
@@ -259,10 +263,12 @@ def bench_stack(
         )
         P.wait_http(f"http://127.0.0.1:{port}/readyz", 120)
         direct = f"http://127.0.0.1:{port}/v1/chat/completions"
+        bare = start_bare_path(procs, root, current, cache)
         for stack in (old, current):  # warm: connections, first-call paths, the key mirror
             warm = [body()] * 200
             asyncio.run(run_load(stack.url, warm, 16, stream=False, headers=stack.headers))
         asyncio.run(run_load(direct, [body()] * 200, 16, stream=False))
+        asyncio.run(run_load(bare, [body()] * 200, 16, stream=False))
         for r in range(rounds):
             for concurrency in LEVELS:
                 for stack in (old, current) if r % 2 == 0 else (current, old):
@@ -271,11 +277,46 @@ def bench_stack(
                 if concurrency == 1:
                     stats = asyncio.run(run_load(direct, [body()] * counts[1], 1, stream=False))
                     tallies.setdefault(("direct", 1), Tally()).add(stats, {}, {})
+                    stats = asyncio.run(run_load(bare, [body()] * counts[1], 1, stream=False))
+                    tallies.setdefault(("bare", 1), Tally()).add(stats, {}, {})
             print(f"stack: round {r + 1} of {rounds} done", flush=True)
     out: dict[str, Any] = {"baseline_rev": rev, "baseline_commit": commit, "rounds": rounds}
     for (name, concurrency), tally in tallies.items():
         out.setdefault(name, {})[f"c{concurrency}"] = tally.summary()
     return out
+
+
+def start_bare_path(procs: P.Procs, root: Path, current: Stack, cache: Path) -> str:
+    """The bare router -> NATS -> worker path (``bench/bare_path.py``): its chat URL.
+
+    Its own nats-server (JetStream on, one Go thread as ``tollgate up`` runs it),
+    router and worker, serving the same simulated model as the stacks.
+    """
+    nats_port, port = free_port(), free_port()
+    procs.spawn(
+        "bare-nats",
+        [
+            nats_server_binary(),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(nats_port),
+            "-js",
+            "-sd",
+            str(root / "bare-js"),
+        ],
+        GOMAXPROCS="1",
+    )
+    wait_for_port(nats_port)
+    url = f"nats://127.0.0.1:{nats_port}"
+    models = {"TOLLGATE_MODEL_CACHE": cache, "TOLLGATE_CATALOG": current.work / "models.toml"}
+    env = {name: str(path) for name, path in models.items()}
+    worker = [sys.executable, "-m", "bench.bare_path", "worker", "--nats", url]
+    procs.spawn("bare-worker", [*worker, "--model", MODEL], None, **env)
+    router = [sys.executable, "-m", "bench.bare_path", "router", "--nats", url]
+    procs.spawn("bare-router", [*router, "--port", str(port)], None, **env)
+    P.wait_http(f"http://127.0.0.1:{port}/readyz", 120)
+    return f"http://127.0.0.1:{port}/v1/chat/completions"
 
 
 def _ms(v: float) -> str:
@@ -330,18 +371,28 @@ def render(r: dict[str, Any]) -> list[str]:
         cells = " | ".join(f"{v['bus_per_request'][key]:.1f}" for v in vals)
         lines.append(f"| {label} | {cells} |")
     d = direct["c1"]["latency_p50_ms"]
+    bare = r.get("bare", {}).get("c1", {}).get("latency_p50_ms")
+    bare_p50, bare_added = (f"{bare:.2f}", f"{bare - d:+.2f}") if bare else ("", "")
     lines += [
         "",
-        "| latency | engine alone | before | after |",
-        "|---|---|---|---|",
-        f"| p50 at concurrency 1 (ms) | {d:.2f} | {old['c1']['latency_p50_ms']:.2f} | "
-        f"{cur['c1']['latency_p50_ms']:.2f} |",
-        f"| added by the stack, p50 at concurrency 1 (ms) | | "
+        "| latency | engine alone | bare path | before | after |",
+        "|---|---|---|---|---|",
+        f"| p50 at concurrency 1 (ms) | {d:.2f} | {bare_p50} | "
+        f"{old['c1']['latency_p50_ms']:.2f} | {cur['c1']['latency_p50_ms']:.2f} |",
+        f"| added over the engine alone, p50 at concurrency 1 (ms) | | {bare_added} | "
         f"{old['c1']['latency_p50_ms'] - d:+.2f} | {cur['c1']['latency_p50_ms'] - d:+.2f} |",
-        f"| requests/s at concurrency 16 | | {old['c16']['requests_per_s']:.0f} | "
+        f"| requests/s at concurrency 16 | | | {old['c16']['requests_per_s']:.0f} | "
         f"{cur['c16']['requests_per_s']:.0f} |",
-        f"| errors | | {old['c1']['errors'] + old['c16']['errors']} | "
+        f"| errors | | | {old['c1']['errors'] + old['c16']['errors']} | "
         f"{cur['c1']['errors'] + cur['c16']['errors']} |",
+        "",
+        "The bare path (`bench/bare_path.py`) is the fewest steps a call through a router "
+        "and a worker over NATS takes with the packages the stack is built on: an aiohttp "
+        "handler publishes the body to a JetStream work queue that republishes it to the "
+        "worker, which runs the same simulated engine and publishes the answer to the "
+        "router's inbox; no keys, admission, claims, billing, logs or metrics. What it adds "
+        "over the engine alone is what the two hops and the packages cost on this machine; "
+        "the stack's own share of its added latency is the difference between the two.",
         "",
         "What the cuts since the baseline are:",
         "",
