@@ -33,12 +33,11 @@ def metering(stack: Stack) -> Iterator[Service]:
 
 
 @pytest.fixture(scope="module")
-def admin(stack: Stack) -> httpx.AsyncClient:
-    _, base = stack.auth()
+def admin(stack: Stack) -> Iterator[httpx.AsyncClient]:
+    service, base = stack.auth()
     token = (auth_dir(stack.var_dir) / "admin-token").read_text().strip()
-    return httpx.AsyncClient(
-        base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=60
-    )
+    yield httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    service.stop()  # later modules share its consumers (webhook retries): it leaves with its tests
 
 
 async def test_a_tenants_invoice_counts_its_calls_and_checks_out(
