@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import httpx
 import orjson
@@ -14,24 +13,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import SIM_MODEL, SLOW_MODEL, Stack
 from tests.lib.streams import read_subject
 from tests.router.test_auth import wait_status
-from tollgate.keys.tokens import auth_dir
 from tollgate.wire.subjects import Subjects
 
 pytestmark = pytest.mark.usefixtures("sim_workers")
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-
-
-@pytest.fixture(scope="module")
-def admin(stack: Stack, api_key: str) -> Iterator[httpx.Client]:
-    service, base = stack.auth(TOLLGATE_AUTH_REACTIVATE_EVERY_S="0.5")
-    token = (auth_dir(stack.var_dir) / "admin-token").read_text().strip()
-    with httpx.Client(
-        base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10
-    ) as client:
-        yield client
-    service.stop()  # later modules share its consumers (webhook retries): it leaves with its tests
 
 
 def chat(router_url: str, token: str, **body: object) -> httpx.Response:

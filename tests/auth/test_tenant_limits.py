@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
 from decimal import Decimal
 from urllib.parse import quote
 
@@ -19,22 +18,10 @@ from tests.auth.test_admin import chat
 from tests.conftest import SIM_ADAPTER, SIM_MODEL, Stack
 from tests.router.test_auth import wait_status
 from tests.router.test_limits import clear_of_minute_edge
-from tollgate.keys.tokens import auth_dir
 
 pytestmark = pytest.mark.usefixtures("sim_workers")
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def admin(stack: Stack, api_key: str) -> Iterator[httpx.Client]:  # api_key: the bootstrap
-    service, base = stack.auth(TOLLGATE_AUTH_REACTIVATE_EVERY_S="0.5")
-    token = (auth_dir(stack.var_dir) / "admin-token").read_text().strip()
-    with httpx.Client(
-        base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10
-    ) as client:
-        yield client
-    service.stop()  # later modules share its consumers (webhook retries): it leaves with its tests
 
 
 def new_tenant() -> str:

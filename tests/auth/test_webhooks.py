@@ -15,19 +15,18 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import nats.js.errors
 import pytest
 from aiohttp import web
 
 from services.auth.webhooks import public_url
+from tests.auth.conftest import admin_client
 from tests.auth.test_admin import chat
 from tests.conftest import Service, Stack
 from tests.lib.net import free_port
 from tests.lib.streams import read_subject
 from tests.router.test_auth import wait_status
 from tollgate.analytics import run_query
-from tollgate.keys.tokens import auth_dir
 from tollgate.keys.webhooks import SIGNATURE_HEADER, sign, verify
 from tollgate.wire import codec
 from tollgate.wire.contracts import SpendAlert
@@ -122,11 +121,6 @@ async def receiver() -> AsyncIterator[Receiver]:
     found = Receiver()
     yield found
     await found.close()
-
-
-def admin_client(base: str, stack: Stack) -> httpx.Client:
-    token = (auth_dir(stack.var_dir) / "admin-token").read_text().strip()
-    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10)
 
 
 async def alerts_of(stack: Stack, tenant: str, count: int, timeout: float = 30) -> list[SpendAlert]:
