@@ -309,8 +309,10 @@ def start_bare_path(procs: P.Procs, root: Path, current: Stack, cache: Path) -> 
     )
     wait_for_port(nats_port)
     url = f"nats://127.0.0.1:{nats_port}"
-    models = {"TOLLGATE_MODEL_CACHE": cache, "TOLLGATE_CATALOG": current.work / "models.toml"}
-    env = {name: str(path) for name, path in models.items()}
+    env = {
+        "TOLLGATE_MODEL_CACHE": str(cache),
+        "TOLLGATE_CATALOG": str(current.work / "models.toml"),
+    }
     worker = [sys.executable, "-m", "bench.bare_path", "worker", "--nats", url]
     procs.spawn("bare-worker", [*worker, "--model", MODEL], None, **env)
     router = [sys.executable, "-m", "bench.bare_path", "router", "--nats", url]
