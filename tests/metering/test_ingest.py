@@ -496,3 +496,42 @@ async def test_a_batch_that_failed_comes_again_within_seconds(
     await bus.until_stored(12, timeout=20)
     await bus.settled(12)
     assert failures["left"] == 0
+
+
+async def test_events_that_trickle_in_stay_on_the_server_until_the_window_ends(bus: Bus) -> None:
+    """One pull for the first event, one for the rest once the window is over: a
+    trickle of events reaches the consumer as one batch, not one message each."""
+    await bus.writer()  # makes the consumer
+    await bus.stop_writers()
+    pull = await BatchPull(bus.nc, bus.spec.stream, bus.spec.durable).start()
+    try:
+        fetch = asyncio.create_task(pull.fetch(100, timeout=5, window=1.0))
+        await bus.publish(range(1))
+        for i in range(1, 6):  # during the window
+            await asyncio.sleep(0.05)
+            await bus.publish(range(i, i + 1))
+        info = await bus.js.consumer_info(bus.spec.stream, bus.spec.durable)
+        assert not fetch.done()
+        # the first event is delivered; the five after it still wait on the server
+        assert (info.num_ack_pending, info.num_pending) == (1, 5)
+        got = await asyncio.wait_for(fetch, 10)
+        assert [m.metadata.sequence.stream for m in got] == [1, 2, 3, 4, 5, 6]
+    finally:
+        await pull.stop()
+
+
+async def test_a_consumer_behind_takes_whole_batches_without_waiting(bus: Bus) -> None:
+    await bus.writer()
+    await bus.stop_writers()
+    await bus.publish(range(250))
+    pull = await BatchPull(bus.nc, bus.spec.stream, bus.spec.durable).start()
+    try:
+        sizes = []
+        async with asyncio.timeout(30):
+            # A window of a minute, waited for by neither: the first event says
+            # more than a batch waits behind it, and the first batch came back full.
+            sizes.append(len(await pull.fetch(100, timeout=5, window=60)))
+            sizes.append(len(await pull.fetch(100, timeout=5, window=60)))
+        assert sizes == [100, 100]
+    finally:
+        await pull.stop()
