@@ -168,7 +168,10 @@ class BatchPull:
 
     While the consumer keeps up, a fetch asks for one message and, once that
     has come, for the rest only when its window has passed: the server sends
-    what it holds then at once and says it has no more. The messages of a
+    what it holds then at once and says it has no more (unless the consumer is
+    at its limit of unacknowledged messages: the server then holds the pull
+    until acks make room; the fetch returns what it has after its wait, and
+    what the pull brings later goes to the next fetch). The messages of a
     window arrive together instead of each as it is stored, so a slow trickle
     of events (one per call at low load) costs this process and nats-server
     one wake-up per batch, not one per event. A fetch that came back full
@@ -229,7 +232,10 @@ class BatchPull:
         if self._box and not self._behind and len(self._box) + _waiting(self._box[-1]) < batch:
             await asyncio.sleep(window)  # the rest gathers on the server meanwhile
         if (self._box or self._behind) and len(self._box) < batch:
-            # what the server holds now, at once; it ends the pull with a status
+            # What the server holds now, at once; it ends the pull with a status.
+            # (No expiry: with one, a server holding nothing more would wait for it.
+            # A consumer at its limit of unacked messages holds this pull until acks
+            # make room; what it then sends is kept for the next fetch.)
             await self._pull({"batch": batch - len(self._box), "no_wait": True})
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(timeout, window)):
