@@ -160,7 +160,7 @@ async def close(nc: NATS) -> None:
 class BatchPull:
     """Pull messages from a durable JetStream consumer in batches.
 
-    One pull request asks for a whole batch, and a subscription callback
+    A pull request asks for many messages at once, and a subscription callback
     collects what arrives. nats.py's ``fetch`` instead awaits every message
     separately (a task and a timer per message), which caps a consumer at
     about 28,000 messages/s on a 2-core machine; this reaches about 85,000
