@@ -32,6 +32,7 @@ from tests.lib.s3_server import MotoServer
 from tollgate.app.busauth import Identities, TlsFiles, make_certificates, server_config
 from tollgate.app.supervisor import nats_server_binary
 from tollgate.keys.store import bootstrap
+from tollgate.keys.tokens import auth_dir
 from tollgate.models.cache import prepare_model
 from tollgate.models.catalog import load_catalog
 from tollgate.models.sources import open_source
@@ -462,6 +463,10 @@ class Stack:
 
     def auth(self, **env: str) -> tuple[Service, str]:
         return self._serve("auth", "services.auth", "/readyz", **env)
+
+    def admin_token(self) -> str:
+        """The admin API's bearer token (the auth service writes it at its first start)."""
+        return (auth_dir(self.var_dir) / "admin-token").read_text().strip()
 
     def metering(self, **env: str) -> tuple[Service, str]:
         return self._serve("metering", "services.metering", "/readyz", **env)

@@ -8,13 +8,12 @@ import httpx
 import pytest
 
 from tests.conftest import Stack
-from tollgate.keys.tokens import auth_dir
 
 
 def admin_client(base: str, stack: Stack) -> httpx.Client:
     """A client of the admin API at ``base`` with the stack's admin token."""
-    token = (auth_dir(stack.var_dir) / "admin-token").read_text().strip()
-    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    headers = {"Authorization": f"Bearer {stack.admin_token()}"}
+    return httpx.Client(base_url=base, headers=headers, timeout=10)
 
 
 @pytest.fixture(scope="module")

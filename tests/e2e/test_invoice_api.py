@@ -18,7 +18,6 @@ import pytest
 from services.auth.openapi import Invoice
 from tests.conftest import SIM_MODEL, Service, Stack
 from tests.router.test_auth import make_key
-from tollgate.keys.tokens import auth_dir
 
 pytestmark = pytest.mark.usefixtures("sim_workers")
 
@@ -35,8 +34,8 @@ def metering(stack: Stack) -> Iterator[Service]:
 @pytest.fixture(scope="module")
 def admin(stack: Stack) -> Iterator[httpx.AsyncClient]:
     service, base = stack.auth()
-    token = (auth_dir(stack.var_dir) / "admin-token").read_text().strip()
-    yield httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    headers = {"Authorization": f"Bearer {stack.admin_token()}"}
+    yield httpx.AsyncClient(base_url=base, headers=headers, timeout=60)
     service.stop()  # later modules share its consumers (webhook retries): it leaves with its tests
 
 

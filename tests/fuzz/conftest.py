@@ -33,7 +33,6 @@ from tests.fuzz.oracle import (
     settled_gauges,
 )
 from tests.router.test_auth import wait_status
-from tollgate.keys.tokens import auth_dir
 
 SEED_ENV = "TOLLGATE_FUZZ_SEED"
 SOAK_ENV = "TOLLGATE_FUZZ_SOAK_S"
@@ -58,8 +57,7 @@ def fuzz_seed() -> int:
 def admin_api(stack: Stack, api_key: str) -> tuple[str, str]:
     """The auth service's admin API on the session stack: (base URL, admin token)."""
     _, base = stack.auth()
-    token = (auth_dir(stack.var_dir) / "admin-token").read_text().strip()
-    return base, token
+    return base, stack.admin_token()
 
 
 @dataclass
