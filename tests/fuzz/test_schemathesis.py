@@ -52,9 +52,12 @@ from tests.fuzz.conftest import SEED_ENV, Fuzz
 from tests.fuzz.oracle import LEAK_MARKERS
 
 # Per operation and mode: the 14 router operations make about 1,200 calls in `make test`;
-# the soak run draws ten times more per operation.
+# the soak run draws about 17 times more per operation.
 EXAMPLES = 60
 SOAK_EXAMPLES = 1000
+# A soak run takes 5-6 minutes on a 2-core machine (router 310 s, admin API 354 s),
+# longer than the suite's default 300 s per test.
+SOAK_TIMEOUT_S = 1800
 
 # What only a traceback or a repr prints (a body is for people and programs): the fuzz
 # suite's markers, and an exception's repr.
@@ -383,11 +386,13 @@ async def test_admin_api(fuzz: Fuzz) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SOAK_TIMEOUT_S)
 async def test_router_soak(fuzz: Fuzz) -> None:
     await fuzz_with(fuzz, router_run(fuzz), SOAK_EXAMPLES)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SOAK_TIMEOUT_S)
 @pytest.mark.usefixtures("metering", "without_fuzzed_webhooks")
 async def test_admin_api_soak(fuzz: Fuzz) -> None:
     await fuzz_with(fuzz, admin_run(fuzz), SOAK_EXAMPLES)
