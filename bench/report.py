@@ -8,6 +8,7 @@ from typing import Any
 from bench.embeddings import render as _embeddings
 from bench.messages import render as _messages
 from bench.routing import render as _routing
+from bench.soak import REQUEST_TIMEOUT_S
 from bench.stack import render as _stack
 
 
@@ -450,7 +451,12 @@ def _soak(r: dict[str, Any]) -> list[str]:
         f"| tokens billed (prompt / completion) | {r['tokens']['prompt']} / "
         f"{r['tokens']['completion']} |",
         "",
-        f"Rows by outcome: {', '.join(f'{k} {v}' for k, v in r['rows_by_outcome'].items())}.",
+        f"Rows by outcome: {', '.join(f'{k} {v}' for k, v in r['rows_by_outcome'].items())}. "
+        "A router killed mid-call bills that call when it starts again, from the worker's "
+        "final report or, without one, at zero tokens once the call's deadline "
+        f"({REQUEST_TIMEOUT_S} s in the soak) and 30 s have passed (`router_lost`); before "
+        "it reads the rows, the run "
+        "waits until no router's outbox holds an unpublished event or an open call.",
         "",
         f"Budget: {r['budget']['billed_tokens']} tokens billed against a budget of "
         f"{r['budget']['budget_tokens']}; at most {r['budget']['max_calls_in_flight']} calls of "
