@@ -455,8 +455,8 @@ def _soak(r: dict[str, Any]) -> list[str]:
         "A router killed mid-call bills that call when it starts again, from the worker's "
         "final report or, without one, at zero tokens once the call's deadline "
         f"({REQUEST_TIMEOUT_S} s in the soak) and 30 s have passed (`router_lost`); before "
-        "it reads the rows, the run "
-        "waits until no router's outbox holds an unpublished event or an open call.",
+        "it reads the rows, the run waits until no router's outbox holds an unpublished "
+        "event or an open call.",
         "",
         f"Budget: {r['budget']['billed_tokens']} tokens billed against a budget of "
         f"{r['budget']['budget_tokens']}; at most {r['budget']['max_calls_in_flight']} calls of "

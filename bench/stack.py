@@ -523,8 +523,8 @@ def render(r: dict[str, Any]) -> list[str]:
         "counted no per-call metrics, spent 1.96 ms of CPU per call instead of 2.43 "
         "(router 0.73 against 0.98, worker 0.81 against 0.87, nats-server 0.40 against "
         "0.49, metering 0.02 against 0.09); its added latency was +1.29-1.32 ms "
-        "against +1.32-1.35. A fifth "
-        "of the CPU bought 0.03 ms. A call is a chain of hand-offs (the client to the "
+        "against +1.32-1.35. A fifth of the CPU bought 0.03 ms. A call is a chain of "
+        "hand-offs (the client to the "
         "router, the router to nats-server, nats-server to the worker, and back the "
         "same way), each the wake-up of a process that then reads its socket and runs "
         "its step. `perf sched` over a run at concurrency 1 shows what a wake-up costs "
@@ -535,8 +535,8 @@ def render(r: dict[str, Any]) -> list[str]:
         "other core idled. The bare path has the same hand-offs on a call's way and "
         "adds about 0.6 ms (the table above); what the stack adds beyond it is the "
         "steps listed above, each 10-60 µs. Three scheduler settings for nats-server, "
-        "which is on every "
-        "hand-off's way, did not help (measured the same way): nice -10, +1.34-1.37 ms; a "
+        "which is on every hand-off's way, did not help (measured the same way): "
+        "nice -10, +1.34-1.37 ms; a "
         "0.1 ms EEVDF slice, so that its wake-ups preempt the process running, "
         "+1.43-1.48; two Go threads instead of one, +1.40-1.42.",
         "",
