@@ -14,13 +14,12 @@ packages alone add.
 Non-streamed chat calls of one output token with the stack's demo key (no
 limits) go to each stack's router: in each round one run per stack at
 concurrency 1 and one at 16, then, for the latency at concurrency 1, blocks
-of 100 calls where the two stacks, the engine alone and the bare path take
-turns. Around each run the
-benchmark reads, for every process of the stack (nats-server, router, auth,
-metering, scaler, the worker, the supervisor), its CPU time from
-``/proc/<pid>/stat`` (user + system), and nats-server's ``/varz`` message
-and byte counters. Per request = the difference divided by
-the calls answered. What the stack does on its own meanwhile (heartbeats, the
+of ``C1_BLOCK`` calls where the two stacks, the engine alone and the bare
+path take turns. Around each run the benchmark reads, for every process of
+the stack (nats-server, router, auth, metering, scaler, the worker, the
+supervisor), its CPU time from ``/proc/<pid>/stat`` (user + system), and
+nats-server's ``/varz`` message and byte counters. Per request = the
+difference divided by the calls answered. What the stack does on its own meanwhile (heartbeats, the
 scaler's tick) is included: at these rates it is a few percent at most.
 
 The load generator runs on the same two cores, so absolute rates are this
@@ -288,12 +287,10 @@ def bench_stack(
                     stats, cpu, bus = measure(stack, concurrency, counts[concurrency])
                     tallies.setdefault((stack.name, concurrency), Tally()).add(stats, cpu, bus)
             # Latency at concurrency 1 from blocks where the four paths take turns
-            # (each block starts one further along): the machine's state drifts
-            # (one afternoon every stack's added latency here went from +1.0 to
-            # +2.6 ms within minutes, the engine's own did not), and turns reach
-            # them alike. CPU per call comes from the long runs above: a block is
-            # shorter than metering's batch window, whose work would fall in
-            # another path's block.
+            # (each block starts one further along), so that the machine's drift
+            # reaches them alike (the report says how far it went). CPU per call
+            # comes from the long runs above: a block is shorter than metering's
+            # batch window, whose work would fall in another path's block.
             for b in range(counts[1] // C1_BLOCK):
                 turn = (r * counts[1] // C1_BLOCK + b) % len(targets)
                 for name, url, headers in targets[turn:] + targets[:turn]:
