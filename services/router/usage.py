@@ -68,14 +68,20 @@ class Outbox:
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
+        # seq keeps the events in the order they were written: a new row's rowid
+        # is above every row's in the table (AUTOINCREMENT would also keep ids of
+        # removed rows from coming back, at a write per event). open_calls is
+        # one B-tree keyed by request id (WITHOUT ROWID), not a table and its
+        # index. An outbox written with the earlier schema (AUTOINCREMENT, and
+        # open_calls with a rowid) keeps its tables, which answer the same.
         self.db.execute(
             "CREATE TABLE IF NOT EXISTS events ("
-            " seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+            " seq INTEGER PRIMARY KEY,"
             " request_id TEXT UNIQUE NOT NULL, subject TEXT NOT NULL, data BLOB NOT NULL)"
         )
         self.db.execute(
             "CREATE TABLE IF NOT EXISTS open_calls"
-            " (request_id TEXT PRIMARY KEY, data BLOB NOT NULL)"
+            " (request_id TEXT PRIMARY KEY, data BLOB NOT NULL) WITHOUT ROWID"
         )
 
     def open(self, request_id: str, record: dict[str, Any]) -> None:

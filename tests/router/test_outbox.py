@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from pathlib import Path
 
@@ -145,3 +146,47 @@ async def test_published_events_leave_with_the_next_event_or_soon_after(
     await publisher.flush()
     await nc.close()
     assert await stream_count(own_nats) == 3
+
+
+def test_events_come_back_in_the_order_they_were_written(tmp_path: Path) -> None:
+    """Also once the newest were removed (a new row's seq is above every row left)."""
+    outbox = Outbox(tmp_path / "outbox.db")
+    for name in ("a", "b", "c"):
+        outbox.open(name, {"model": "m"})
+        outbox.add(name, "tg.usage.t", name.encode())
+    outbox.remove(["c"])
+    outbox.open("d", {"model": "m"})
+    outbox.open("e", {"model": "m"})
+    outbox.add("d", "tg.usage.t", b"d", published=["a"])
+    assert [row[0] for row in outbox.pending()] == ["b", "d"]
+    assert outbox.opened() == [("e", {"model": "m"})]  # the others' events replaced theirs
+    outbox.remove(["b", "d"])
+    outbox.add("e", "tg.usage.t", b"e")
+    assert outbox.pending() == [("e", "tg.usage.t", b"e")]
+    assert (len(outbox), outbox.open_count()) == (1, 0)
+
+
+def test_an_outbox_written_with_the_earlier_schema_is_read_and_written(tmp_path: Path) -> None:
+    """A router upgraded in place keeps the tables its outbox has (AUTOINCREMENT, rowid)."""
+    path = tmp_path / "outbox.db"
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(
+        "CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+        " request_id TEXT UNIQUE NOT NULL, subject TEXT NOT NULL, data BLOB NOT NULL)"
+    )
+    db.execute("CREATE TABLE open_calls (request_id TEXT PRIMARY KEY, data BLOB NOT NULL)")
+    db.execute("INSERT INTO events (request_id, subject, data) VALUES ('old', 'tg.usage.t', x'01')")
+    db.execute("INSERT INTO open_calls (request_id, data) VALUES ('open', '{\"model\":\"m\"}')")
+    db.close()
+
+    outbox = Outbox(path)
+    assert outbox.pending() == [("old", "tg.usage.t", b"\x01")]
+    assert outbox.opened() == [("open", {"model": "m"})]
+    outbox.add("open", "tg.usage.t", b"\x02", published=["old"])
+    outbox.open("next", {"model": "m"})
+    assert outbox.pending() == [("open", "tg.usage.t", b"\x02")]
+    assert outbox.opened() == [("next", {"model": "m"})]
+    outbox.close()
+    schema = sqlite3.connect(path).execute("SELECT sql FROM sqlite_master").fetchall()
+    assert any("AUTOINCREMENT" in (sql or "") for (sql,) in schema)  # kept as it was
