@@ -164,6 +164,11 @@ def test_events_come_back_in_the_order_they_were_written(tmp_path: Path) -> None
     outbox.add("e", "tg.usage.t", b"e")
     assert outbox.pending() == [("e", "tg.usage.t", b"e")]
     assert (len(outbox), outbox.open_count()) == (1, 0)
+    # a new outbox's tables: no AUTOINCREMENT (no sqlite_sequence written per
+    # event), and open records in one B-tree
+    tables = dict(outbox.db.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'"))
+    assert "sqlite_sequence" not in tables
+    assert tables["open_calls"].endswith("WITHOUT ROWID")
 
 
 def test_an_outbox_written_with_the_earlier_schema_is_read_and_written(tmp_path: Path) -> None:
