@@ -19,8 +19,9 @@ path take turns. Around each run the benchmark reads, for every process of
 the stack (nats-server, router, auth, metering, scaler, the worker, the
 supervisor), its CPU time from ``/proc/<pid>/stat`` (user + system), and
 nats-server's ``/varz`` message and byte counters. Per request = the
-difference divided by the calls answered. What the stack does on its own meanwhile (heartbeats, the
-scaler's tick) is included: at these rates it is a few percent at most.
+difference divided by the calls answered. What the stack does on its own
+meanwhile (heartbeats, the scaler's tick) is included: at these rates it is
+a few percent at most.
 
 The load generator runs on the same two cores, so absolute rates are this
 machine's; the figures compared are per request.
