@@ -380,7 +380,20 @@ async def without_fuzzed_webhooks(fuzz: Fuzz) -> AsyncIterator[None]:
             await http.delete(f"{fuzz.admin_url}/admin/webhooks/{hook['webhook_id']}")
 
 
-@pytest.mark.usefixtures("metering", "without_fuzzed_webhooks")
+@pytest.fixture
+async def with_an_eddsa_signing_key(fuzz: Fuzz) -> AsyncIterator[None]:
+    """Leave the stack signing new keys with EdDSA, whose public keys routers read on the bus.
+
+    A run may rotate to an HS256 secret, which a router only gets from its settings
+    when it starts: keys that later tests issue on the session stack would never verify.
+    """
+    yield
+    async with httpx.AsyncClient(timeout=30, headers=fuzz.admin) as http:
+        r = await http.post(f"{fuzz.admin_url}/admin/signing-keys/rotate", json={"alg": "EdDSA"})
+        assert r.status_code == 201, r.text
+
+
+@pytest.mark.usefixtures("metering", "without_fuzzed_webhooks", "with_an_eddsa_signing_key")
 async def test_admin_api(fuzz: Fuzz) -> None:
     await fuzz_with(fuzz, admin_run(fuzz), EXAMPLES)
 
@@ -393,7 +406,7 @@ async def test_router_soak(fuzz: Fuzz) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(SOAK_TIMEOUT_S)
-@pytest.mark.usefixtures("metering", "without_fuzzed_webhooks")
+@pytest.mark.usefixtures("metering", "without_fuzzed_webhooks", "with_an_eddsa_signing_key")
 async def test_admin_api_soak(fuzz: Fuzz) -> None:
     await fuzz_with(fuzz, admin_run(fuzz), SOAK_EXAMPLES)
 
