@@ -23,7 +23,7 @@ from services.router.limits import Reservation
 from tollgate.runtime import tracing
 from tollgate.runtime.settings import SettingError
 from tollgate.wire import codec
-from tollgate.wire.bus import ENVELOPE_ROOM, MAX_PAYLOAD
+from tollgate.wire.bus import ENVELOPE_ROOM, MAX_PAYLOAD, subscribe_at_once
 from tollgate.wire.contracts import (
     Arrival,
     CancelRequest,
@@ -145,14 +145,14 @@ class Dispatcher:
             await self._read_queue()
         except Exception as exc:
             log.warning("work queue unread: %s: %s", type(exc).__name__, str(exc))
-        await self.nc.subscribe(
-            f"{self.subjects.reply_prefix(self.router_id)}.*", cb=self._on_chunk
+        await subscribe_at_once(
+            self.nc, f"{self.subjects.reply_prefix(self.router_id)}.*", self._on_chunk
         )
 
     def reply_subject(self, token: str) -> str:
         return self.subjects.reply(self.router_id, token)
 
-    async def _on_chunk(self, msg: Msg) -> None:
+    def _on_chunk(self, msg: Msg) -> None:
         token = msg.subject.rpartition(".")[2]
         call = self._calls.get(token)
         if call is None:

@@ -37,6 +37,7 @@ from tollgate.models.catalog import AdapterEntry
 from tollgate.runtime import tracing
 from tollgate.runtime.logs import request_id_var
 from tollgate.wire import codec
+from tollgate.wire.bus import subscribe_at_once
 from tollgate.wire.contracts import (
     ENGINE_PRIORITY,
     MAX_BEAT_INTERVAL_S,
@@ -383,7 +384,7 @@ class WorkerConsumer:
 
     # -- the pull loop -----------------------------------------------------
 
-    async def _on_arrival(self, msg: Msg) -> None:
+    def _on_arrival(self, msg: Msg) -> None:
         try:
             lane = codec.decode(Arrival, msg.data).lane
         except Exception:
@@ -391,7 +392,7 @@ class WorkerConsumer:
         self.claims.arrived(lane)
         self._arrival.set()
 
-    async def _on_offer(self, msg: Msg) -> None:
+    def _on_offer(self, msg: Msg) -> None:
         """The queue's copy of a request it stored in one of this worker's direct lanes."""
         headers = dict(msg.headers or {})
         lane = headers.pop("Nats-Subject", "")
@@ -408,12 +409,14 @@ class WorkerConsumer:
 
     async def _pull_loop(self) -> None:
         """Take a request whenever a slot is free (see :mod:`services.worker.claims`)."""
-        sub = await self.nc.subscribe(self.subjects.arrivals(self.model_id), cb=self._on_arrival)
+        sub = await subscribe_at_once(
+            self.nc, self.subjects.arrivals(self.model_id), self._on_arrival
+        )
         subscriptions = [sub]
         if self.claims.fair:  # first come, first served claims by reading only
             subscriptions.append(
-                await self.nc.subscribe(
-                    self.subjects.offer(self.model_id, self.worker_id), cb=self._on_offer
+                await subscribe_at_once(
+                    self.nc, self.subjects.offer(self.model_id, self.worker_id), self._on_offer
                 )
             )
             await self.nc.flush()  # the server has the subscription before beats say so

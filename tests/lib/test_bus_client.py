@@ -1,0 +1,171 @@
+"""The bus client (:class:`tollgate.wire.bus.Client`) on a real nats-server.
+
+The client reaches into nats.py's internals, so these tests also check that
+the installed nats.py still has what it uses: a handler subscribed with
+``subscribe_at_once`` runs in the connection's reader task, in order, through
+errors, unsubscribes and reconnects, and replies to requests are taken there
+too. The session's server speaks TLS; the reconnect test runs its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.msg import Msg
+
+from tests.conftest import NatsServer
+from tests.lib.net import free_port
+from tollgate.wire import bus
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_the_services_connect_with_the_bus_client(nats_server: NatsServer) -> None:
+    nc = await nats_server.connect()
+    try:
+        assert isinstance(nc, bus.Client)
+    finally:
+        await nc.close()
+
+
+async def test_an_at_once_handler_runs_in_the_reader_in_order(nats_server: NatsServer) -> None:
+    nc = await nats_server.connect()
+    sender = await nats_server.connect()
+    got: list[tuple[bytes, bool]] = []
+
+    def handler(msg: Msg) -> None:
+        got.append((msg.data, asyncio.current_task() is nc._reading_task))
+
+    try:
+        sub = await bus.subscribe_at_once(nc, "tg.test.reader", handler)
+        await nc.flush()
+        for i in range(200):
+            await sender.publish("tg.test.reader", str(i).encode(), headers={"H": str(i)})
+        await eventually(lambda: len(got) == 200)
+        assert [data for data, _ in got] == [str(i).encode() for i in range(200)]
+        assert all(in_reader for _, in_reader in got)
+        assert sub.delivered == 200  # nats.py's own count
+        assert nc.stats["in_msgs"] >= 200
+
+        await sub.unsubscribe()
+        assert sub._id not in nc._at_once
+        await sender.publish("tg.test.reader", b"after")
+        await sender.flush()
+        await nc.flush()
+        assert len(got) == 200
+    finally:
+        await nc.close()
+        await sender.close()
+
+
+async def test_a_handlers_error_is_reported_and_the_next_message_still_comes(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    nc = await nats_server.connect()
+    got: list[bytes] = []
+
+    def handler(msg: Msg) -> None:
+        if msg.data == b"bad":
+            raise ValueError("no good")
+        got.append(msg.data)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="tollgate.wire.bus"):
+            await bus.subscribe_at_once(nc, "tg.test.errors", handler)
+            for data in (b"a", b"bad", b"b"):
+                await nc.publish("tg.test.errors", data)
+            await eventually(lambda: got == [b"a", b"b"])
+        assert any("ValueError: no good" in r.getMessage() for r in caplog.records)
+        assert nc.is_connected
+    finally:
+        await nc.close()
+
+
+async def test_replies_to_requests_are_taken_in_the_reader(nats_server: NatsServer) -> None:
+    nc = await nats_server.connect()
+    responder = await nats_server.connect()
+
+    async def echo(msg: Msg) -> None:
+        await msg.respond(b"re:" + msg.data)
+
+    try:
+        await responder.subscribe("tg.test.echo", cb=echo)
+        await responder.flush()
+        replies = await asyncio.gather(
+            *(nc.request("tg.test.echo", str(i).encode(), timeout=5) for i in range(50))
+        )
+        assert [r.data for r in replies] == [f"re:{i}".encode() for i in range(50)]
+        # the replies' subscription is an at-once one
+        (mux,) = [s for s in nc._subs.values() if s._cb == nc._request_sub_callback]
+        assert nc._at_once[mux._id] == nc._reply_at_once
+        assert not nc._resp_map  # every request's future was resolved and dropped
+    finally:
+        await nc.close()
+        await responder.close()
+
+
+async def test_another_client_runs_the_handler_in_the_subscriptions_task(
+    nats_server: NatsServer,
+) -> None:
+    plain = await nats.connect(nats_server.url, **_plain_options(nats_server))
+    got: list[bool] = []
+    try:
+        await bus.subscribe_at_once(
+            plain, "tg.test.plain", lambda msg: got.append(asyncio.current_task() is not None)
+        )
+        await plain.publish("tg.test.plain", b"x")
+        await eventually(lambda: got == [True])
+    finally:
+        await plain.close()
+
+
+def _plain_options(server: NatsServer) -> dict[str, object]:
+    access = server.access()
+    return {"nkeys_seed_str": access.seed, "tls": access.tls, "inbox_prefix": access.inbox_prefix}
+
+
+async def test_an_at_once_subscription_and_publishes_go_on_after_a_reconnect(
+    tmp_path: Path,
+) -> None:
+    server = NatsServer(free_port(), tmp_path / "nats")
+    server.start()
+    nc = await server.connect()
+    sender = await server.connect()
+    got: list[bytes] = []
+    try:
+        await bus.subscribe_at_once(nc, "tg.test.again", lambda msg: got.append(msg.data))
+        await nc.flush()
+        await sender.publish("tg.test.again", b"before")
+        await eventually(lambda: got == [b"before"])
+
+        reconnects = nc.stats["reconnects"]
+        server.stop()
+        await eventually(lambda: not nc.is_connected)
+        server.start()
+        await eventually(
+            lambda: nc.is_connected and sender.is_connected and nc.stats["reconnects"] > reconnects,
+            timeout=20,
+        )
+        await nc.flush()
+        await sender.publish("tg.test.again", b"after")
+        await eventually(lambda: got == [b"before", b"after"])
+        # and this client's own publishes reach the server again
+        echo: list[bytes] = []
+        await bus.subscribe_at_once(sender, "tg.test.back", lambda msg: echo.append(msg.data))
+        await sender.flush()
+        await nc.publish("tg.test.back", b"back")
+        await eventually(lambda: echo == [b"back"])
+    finally:
+        await nc.close()
+        await sender.close()
+        server.stop()
