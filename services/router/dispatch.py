@@ -106,9 +106,10 @@ class Dispatcher:
         self.router_id = router_id
         self._calls: dict[str, Call] = {}  # by token
         self.model_ids: list[str] = []
-        self._waiting: dict[str, tuple[float, int]] = {}  # model -> (read at, count)
-        # this router's calls no worker has taken yet: model -> token -> published at
-        self._unstarted: dict[str, dict[str, float]] = {}
+        # model -> (read at, count, the queue's last sequence then)
+        self._waiting: dict[str, tuple[float, int, int]] = {}
+        # this router's calls no worker has taken yet: model -> token -> (acked at, sequence)
+        self._unstarted: dict[str, dict[str, tuple[float, int]]] = {}
         # calls sent to a worker's direct lane, not started yet: worker -> tokens
         self._direct: dict[str, set[str]] = {}
         # this router's calls running on each worker, now and when its latest beat came
@@ -309,7 +310,7 @@ class Dispatcher:
             await self.cancel(call, "not_dispatched")
             raise
         call.seq = ack.seq
-        self._unstarted.setdefault(request.model, {})[call.token] = time.monotonic()
+        self._unstarted.setdefault(request.model, {})[call.token] = (time.monotonic(), ack.seq)
         if not (call.offer and self.queue_offers):
             await self._announce(request, subject)  # else the queue sent it to its worker
 
@@ -357,17 +358,25 @@ class Dispatcher:
         """Requests of ``model`` waiting in the work queue, from every router.
 
         The queue's per-lane counts are read at most every ``max_age_s``; this
-        router's calls published since and not yet taken are added.
+        router's calls acknowledged since and not yet taken are added. Calls
+        acknowledged while the counts were on their way may be in them or not
+        (the server reads its state, then the counts): they are not added, so
+        none counts twice (a call counted twice refuses another one below the
+        limit; one left out lets one more wait, within the queue's own
+        limits), nor are calls the queue had stored when it read its state.
         """
-        now = time.monotonic()
         seen = self._waiting.get(model)
-        if seen is None or now - seen[0] > max_age_s:
+        if seen is None or time.monotonic() - seen[0] > max_age_s:
             info = await self._read_queue(self.subjects.infer_lanes(model))
-            counts = (info.get("state") or {}).get("subjects") or {}
-            seen = self._waiting[model] = (now, sum(int(n) for n in counts.values()))
-        read_at, count = seen
+            state = info.get("state") or {}
+            count = sum(int(n) for n in (state.get("subjects") or {}).values())
+            last_seq = int(state.get("last_seq") or 0)
+            seen = self._waiting[model] = (time.monotonic(), count, last_seq)
+        read_at, count, last_seq = seen
         mine = self._unstarted.get(model)
-        return count + (sum(1 for at in mine.values() if at > read_at) if mine else 0)
+        if not mine:
+            return count
+        return count + sum(1 for at, seq in mine.values() if at > read_at and seq > last_seq)
 
     async def _read_queue(self, lanes: str | None = None) -> dict[str, Any]:
         """The work queue's info (with the counts of ``lanes``): its republish and identity."""
