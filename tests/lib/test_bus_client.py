@@ -15,7 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import nats
+import nats.errors
 import pytest
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from tests.conftest import NatsServer
@@ -101,6 +103,7 @@ async def test_replies_to_requests_are_taken_in_the_reader(nats_server: NatsServ
     try:
         await responder.subscribe("tg.test.echo", cb=echo)
         await responder.flush()
+        await _answered(nc, "tg.test.echo")
         replies = await asyncio.gather(
             *(nc.request("tg.test.echo", str(i).encode(), timeout=5) for i in range(50))
         )
@@ -112,6 +115,23 @@ async def test_replies_to_requests_are_taken_in_the_reader(nats_server: NatsServ
     finally:
         await nc.close()
         await responder.close()
+
+
+async def _answered(nc: NATS, subject: str, timeout: float = 5.0) -> None:
+    """Wait until the server has the responder's interest in ``subject``.
+
+    The session's server is shared with running stacks and reloaded as tests
+    add prefixes; there a request once found no responders although the
+    responder's connection had flushed its subscription.
+    """
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            await nc.request(subject, b"ready?", timeout=timeout)
+            return
+        except nats.errors.NoRespondersError:
+            assert asyncio.get_running_loop().time() < deadline, f"no responder for {subject}"
+            await asyncio.sleep(0.05)
 
 
 async def test_another_client_runs_the_handler_in_the_subscriptions_task(
