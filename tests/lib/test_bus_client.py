@@ -110,7 +110,7 @@ async def test_replies_to_requests_are_taken_in_the_reader(nats_server: NatsServ
         assert [r.data for r in replies] == [f"re:{i}".encode() for i in range(50)]
         # the replies' subscription is an at-once one
         (mux,) = [s for s in nc._subs.values() if s._cb == nc._request_sub_callback]
-        assert nc._at_once[mux._id] == nc._reply_at_once
+        assert nc._at_once[mux._id] == nc._request_sub_callback
         assert not nc._resp_map  # every request's future was resolved and dropped
     finally:
         await nc.close()

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +84,9 @@ class Client(NATS):
 
     def __init__(self) -> None:
         super().__init__()
-        self._at_once: dict[int, Callable[[Msg], None]] = {}
+        # sid -> handler; nats.py's own handler of request replies, a coroutine
+        # that awaits nothing, is awaited in place
+        self._at_once: dict[int, Callable[[Msg], Awaitable[None] | None]] = {}
 
     def handle_at_once(self, sub: Subscription, handler: Callable[[Msg], None]) -> None:
         """Run ``handler`` in the reader for each message of ``sub`` (see the class's docs)."""
@@ -103,7 +105,9 @@ class Client(NATS):
         sub._received += 1
         msg = self._build_message(sid, subject, reply, data, await self._process_headers(headers))
         try:
-            handler(msg)
+            pending = handler(msg)
+            if pending is not None:
+                await pending
         except Exception as exc:  # as nats.py does with a handler's error
             if self._error_cb is not None:
                 await self._error_cb(exc)
@@ -116,14 +120,7 @@ class Client(NATS):
         await super()._init_request_sub()
         for sub in self._subs.values():
             if sub._cb == self._request_sub_callback:
-                self.handle_at_once(sub, self._reply_at_once)
-
-    def _reply_at_once(self, msg: Msg) -> None:
-        # nats.py's _request_sub_callback, without its task's turn
-        token = msg.subject[len(self._inbox_prefix) + 22 + 2 :]
-        future = self._resp_map.get(token)
-        if future is not None and not future.done():
-            future.set_result(msg)
+                self._at_once[sub._id] = self._request_sub_callback
 
 
 async def subscribe_at_once(nc: NATS, subject: str, handler: Callable[[Msg], None]) -> Subscription:
