@@ -12,6 +12,7 @@ from typing import Any
 
 import nats
 import orjson
+from nats.aio.client import PING_PROTO as PING
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -78,6 +79,9 @@ class Client(NATS):
     under load that is one task switch fewer per chunk, offer and reply
     (``docs/benchmarks.md``: CPU per call at concurrency 16).
 
+    Its flush() also means what it says: the server has every command sent
+    before it (nats.py's PING could overtake them; see ``_send_ping``).
+
     It uses nats.py's internals (``tests/lib/test_bus_client.py`` checks them
     against the version installed); everything else is nats.py's own.
     """
@@ -111,6 +115,16 @@ class Client(NATS):
         except Exception as exc:  # as nats.py does with a handler's error
             if self._error_cb is not None:
                 await self._error_cb(exc)
+
+    async def _send_ping(self, future: asyncio.Future[Any] | None = None) -> None:
+        # nats.py writes a PING straight to the socket, ahead of the commands
+        # still waiting for its flusher (a SUB just made), so the PONG, and
+        # flush() with it, could come back before the server had them: a
+        # publish from another connection then found no subscriber. The PING
+        # goes behind them instead, so flush() means the server has them.
+        self._pongs.append(future if future is not None else asyncio.Future())
+        await self._send_command(PING)
+        await self._flush_pending()
 
     def _remove_sub(self, sid: int, max_msgs: int = 0) -> None:
         self._at_once.pop(sid, None)
