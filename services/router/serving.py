@@ -284,13 +284,14 @@ class OpenAIServing:
         return call
 
     async def _check_room(self, model: str) -> None:
-        """Refuse at once (503, Retry-After) when the model's queue is at its pending limit."""
+        """Refuse at once (503, Retry-After) when the model's queue is at its pending limit.
+
+        The counts kept (read at most every half second) are read afresh
+        before a refusal: until a call's START reaches this router, which may
+        come up to START_HOLD_S after a worker took it, the call still counts
+        as waiting here while the worker's heartbeat already counts its slot.
+        """
         limit = self.settings.max_queued_per_model
-        try:
-            waiting = await self.dispatcher.waiting(model)
-        except Exception as exc:  # the queue's own limits still hold
-            log.debug("queue depth unknown: %s: %s", type(exc).__name__, str(exc))
-            return
         # What the model's free slots take at once does not wait: a burst into
         # an idle model is not refused (slots as last heard in heartbeats).
         free = sum(
@@ -298,6 +299,13 @@ class OpenAIServing:
             for beat in self.workers.live(model)
             if beat.state is WorkerState.READY
         )
+        try:
+            waiting = await self.dispatcher.waiting(model)
+            if waiting - free >= limit:
+                waiting = await self.dispatcher.waiting(model, max_age_s=0)
+        except Exception as exc:  # the queue's own limits still hold
+            log.debug("queue depth unknown: %s: %s", type(exc).__name__, str(exc))
+            return
         if waiting - free >= limit:
             raise self._overloaded(model, waiting - free - limit + 1)
 

@@ -66,3 +66,28 @@ async def test_calls_stored_while_the_counts_are_read_are_counted_once(
         finally:
             await admin.close()
         await router_nc.close()
+
+
+async def test_calls_workers_took_before_their_start_reached_the_router_leave_a_fresh_count(
+    nats_server: NatsServer,
+) -> None:
+    """A call a worker claimed counts as waiting in the kept counts until its START
+    reaches the router; admission reads the counts afresh before it refuses."""
+    router_nc = await nats_server.connect(Role.ROUTER, "test-router", PREFIX)
+    admin = await nats_server.connect(Role.ADMIN, "test-admin", PREFIX)
+    try:
+        dispatcher = Dispatcher(router_nc, Topology(SUBJECTS), "depth-fresh")
+        await dispatcher.start([MODEL])
+        assert await dispatcher.waiting(MODEL, max_age_s=0) == 0
+        calls = [await dispatcher.submit(depth_request(f"taken-{i}", dispatcher)) for i in range(3)]
+        for call in calls:  # claimed: a worker deleted each (no START yet)
+            assert call.seq is not None
+            await admin.jetstream().delete_msg(SUBJECTS.infer_stream, call.seq)
+        assert await dispatcher.waiting(MODEL) == 3  # the counts kept, plus this router's
+        assert await dispatcher.waiting(MODEL, max_age_s=0) == 0
+    finally:
+        await admin.jetstream().purge_stream(
+            SUBJECTS.infer_stream, subject=SUBJECTS.infer_lanes(MODEL)
+        )
+        await admin.close()
+        await router_nc.close()
