@@ -231,16 +231,53 @@ class WorkClaims:
         waiting = [at for lane, at in self._ripe_at.items() if self._backlog.get(lane, 0) > 0]
         return max(0.0, min(waiting) - time.monotonic()) if waiting else None
 
+    def _outdated(self) -> bool:
+        """Whether the lanes' counts must be read again before the next take."""
+        return (
+            self._stale
+            or self._age() > REFRESH_EVERY_S
+            # held offers may name sequences of a queue a restarted server lost
+            or self.nc.stats["reconnects"] != self._read_reconnects
+        )
+
+    def take_offered(self) -> Claimed | None:
+        """The next request for this worker when it is an offer, claimed ahead; else None.
+
+        What :meth:`take` returns first when the counts are fresh and fair
+        share picks a lane whose requests were all offered, without waiting
+        for anything: a worker with a free slot starts an offer as it reads
+        it. None leaves everything as it was (:meth:`take` then decides).
+        """
+        if not self.fair or self._outdated():
+            return None
+        subject = self._pick()
+        offered = self._take_offer(subject) if subject is not None else None
+        if offered is None:
+            return None
+        self.contended = False
+        return self._taken(self._ahead(*offered))
+
+    def _ahead(self, seq: int, claimed: Claimed) -> Claimed:
+        """Claim an offer ahead: the delete runs while the request starts."""
+        confirm = asyncio.ensure_future(self._confirm(seq, self._read_reconnects))
+        return replace(claimed, confirm=confirm)
+
+    def _taken(self, claimed: Claimed) -> Claimed:
+        """Count a claimed request out of its lane."""
+        left = self._backlog.get(claimed.subject, 1) - 1
+        if left > 0:
+            self._backlog[claimed.subject] = left
+        else:
+            self._backlog.pop(claimed.subject, None)
+        if self.fair:
+            self.share.took(claimed.subject)
+        return claimed
+
     async def take(self) -> Claimed | None:
         """The next request for this worker; None when no lane holds one it may take."""
         self.contended = False
         for _ in range(_TRIES):
-            if (
-                self._stale
-                or self._age() > REFRESH_EVERY_S
-                # held offers may name sequences of a queue a restarted server lost
-                or self.nc.stats["reconnects"] != self._read_reconnects
-            ):
+            if self._outdated():
                 await self._read_backlog()
             subject = self._pick()
             if subject is None:
@@ -263,22 +300,12 @@ class WorkClaims:
             if claimed.source == "spilled" and not self._spills(claimed):
                 continue  # the request there is younger than the wait: its worker may take it
             if got is offered:
-                # claimed ahead: the delete runs while the request starts
-                confirm = asyncio.ensure_future(self._confirm(seq, self._read_reconnects))
-                claimed = replace(claimed, confirm=confirm)
-            elif not await self._delete(seq):
+                return self._taken(self._ahead(seq, claimed))
+            if not await self._delete(seq):
                 self._stale = True  # other workers are taking from these lanes
                 continue  # another worker had it first
-            else:
-                self._drop_offer(seq)  # claimed by reading: its offer, if any, is spent
-            left = self._backlog.get(claimed.subject, 1) - 1
-            if left > 0:
-                self._backlog[claimed.subject] = left
-            else:
-                self._backlog.pop(claimed.subject, None)
-            if self.fair:
-                self.share.took(claimed.subject)
-            return claimed
+            self._drop_offer(seq)  # claimed by reading: its offer, if any, is spent
+            return self._taken(claimed)
         self.contended = True
         return None
 

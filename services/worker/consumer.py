@@ -235,6 +235,7 @@ class WorkerConsumer:
         self._cancelled: dict[str, float] = {}
         self._slot_freed = asyncio.Event()
         self._arrival = asyncio.Event()
+        self._parked = False  # the pull loop sleeps until an arrival
         # subscribed to its offers (and under fair share, which uses them): its beats say so
         self._takes_offers = False
         self.claims = WorkClaims(
@@ -404,8 +405,30 @@ class WorkerConsumer:
         except ValueError:
             log.warning("offer without a sequence ignored")
             return
-        self.claims.offered(lane, seq, msg.data, headers, queue)
+        if self.claims.offered(lane, seq, msg.data, headers, queue) and self._start_offered():
+            return
         self._arrival.set()
+
+    def _start_offered(self) -> bool:
+        """Start an offer as it is read, when the pull loop sleeps with a slot free.
+
+        The pull loop would take the same request once it wakes
+        (:meth:`WorkClaims.take_offered` is what its take returns first);
+        taken here, it starts one turn of the event loop sooner. False: the
+        pull loop decides.
+        """
+        if (
+            not self._parked
+            or self._stopping.is_set()
+            or len(self.inflight) >= self.engine.slots_total
+        ):
+            return False
+        claimed = self.claims.take_offered()
+        if claimed is None:
+            return False
+        self._count_claim(claimed)
+        self._accept(claimed)
+        return True
 
     async def _pull_loop(self) -> None:
         """Take a request whenever a slot is free (see :mod:`services.worker.claims`)."""
@@ -454,9 +477,13 @@ class WorkerConsumer:
                 # request (or a second passes: an announcement can be lost), or
                 # until a request in another worker's direct lane spills.
                 ripe_in = self.claims.ripe_in()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(1.0 if ripe_in is None else min(1.0, ripe_in)):
-                        await self._arrival.wait()
+                self._parked = True  # offers may start meanwhile (_start_offered)
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(1.0 if ripe_in is None else min(1.0, ripe_in)):
+                            await self._arrival.wait()
+                finally:
+                    self._parked = False
                 continue
             self._count_claim(claimed)
             self._accept(claimed)
@@ -567,6 +594,11 @@ class WorkerConsumer:
                 # The class reaches the engine as its own request priority,
                 # whatever priority the client put in the body.
                 body = {**request.body, "priority": ENGINE_PRIORITY[request.priority]}
+                if compact and reply.claim is not None and not reply.claim.done():
+                    # One turn of the loop first, so the delete that claims the
+                    # request leaves now: an engine may work a while before it
+                    # first yields, and the reply waits for the delete's answer.
+                    await asyncio.sleep(0)
                 running = self._run(request, body)
                 result = await (self._started(reply, running) if compact else running)
                 if isinstance(result, ErrorResult):
@@ -642,16 +674,24 @@ class WorkerConsumer:
 
     @staticmethod
     async def _started(reply: _Reply, running: Awaitable[EngineResult]) -> EngineResult:
-        """The engine's result; the call's START goes out once START_HOLD_S passes without it."""
-        task = asyncio.ensure_future(running)
+        """The engine's result; the call's START goes out once START_HOLD_S passes without it.
+
+        The engine runs in this task, START from a timer beside it; nothing
+        else of the call is sent before START has gone out.
+        """
+        start: asyncio.Future[None] | None = None
+
+        def due() -> None:
+            nonlocal start
+            start = asyncio.ensure_future(reply.send(ChunkKind.START))
+
+        timer = asyncio.get_running_loop().call_later(START_HOLD_S, due)
         try:
-            done, _ = await asyncio.wait((task,), timeout=START_HOLD_S)
-            if not done:
-                await reply.send(ChunkKind.START)
-            return await task
+            return await running
         finally:
-            if not task.done():
-                task.cancel()
+            timer.cancel()
+            if start is not None:
+                await start
 
     async def _relay_stream(self, reply: _Reply, result: StreamResult, tally: TokenTally) -> None:
         events = result.events

@@ -185,3 +185,49 @@ async def test_an_offer_another_worker_had_first_is_stopped_and_sends_nothing(
     assert rig.consumer.inflight == {}  # its slot is free again
     assert rig.consumer.tokens_total == 0
     assert rig.claimed("direct") == 0
+
+
+async def test_an_offer_read_while_the_pull_loop_sleeps_starts_as_it_is_read(rig: Rig) -> None:
+    """Taken in the connection's reader: the pull loop, asleep until an
+    arrival, never takes it (nor runs it a second time)."""
+    takes = 0
+    real_take = rig.consumer.claims.take
+
+    async def counted_take() -> Any:
+        nonlocal takes
+        takes += 1
+        return await real_take()
+
+    rig.consumer.claims.take = counted_take  # type: ignore[method-assign]
+    async with asyncio.timeout(10):
+        while not rig.consumer._parked:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    calls = [
+        await rig.dispatcher.submit(rig.request(f"reader-{i}"), worker_id="w-1", offer=True)
+        for i in range(2)
+    ]
+    async with asyncio.timeout(10):
+        while rig.engine.runs < 2:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    assert takes == 0
+    rig.engine.release.set()
+    for call in calls:
+        async with asyncio.timeout(10):
+            end = await call.queue.get()
+        assert end.kind is ChunkKind.END and end.worker_id == "w-1"
+        await rig.dispatcher.acknowledge_end(call)
+    assert rig.engine.runs == 2 and rig.claimed("direct") == 2
+    info = await rig.router.jetstream().stream_info(SUBJECTS.infer_stream)
+    assert info.state.messages == 0
+
+
+async def test_an_offer_read_while_draining_is_not_started(rig: Rig) -> None:
+    async with asyncio.timeout(10):
+        while not rig.consumer._parked:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    rig.consumer._stopping.set()
+    call = await rig.dispatcher.submit(rig.request("draining-1"), worker_id="w-1", offer=True)
+    assert await chunks_within(call, 1.0) == []
+    assert rig.engine.runs == 0
+    info = await rig.router.jetstream().stream_info(SUBJECTS.infer_stream)
+    assert info.state.messages == 1  # still queued: another worker takes it
