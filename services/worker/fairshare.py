@@ -95,6 +95,9 @@ class FairShare:
         ``backlog`` counts requests by shared lane (a worker's direct lanes
         count under theirs: :attr:`~tollgate.wire.subjects.Lane.group`).
         """
+        if len(backlog) == 1:  # one lane: nothing to share (the common case)
+            subject, count = next(iter(backlog.items()))
+            return subject if count > 0 and Lane.parse(subject) is not None else None
         waiting: dict[str, dict[str, list[Lane]]] = {}
         for subject, count in backlog.items():
             lane = Lane.parse(subject) if count > 0 else None

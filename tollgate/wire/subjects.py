@@ -67,19 +67,25 @@ class Lane:
     key: str
     worker: str | None = None
 
-    @classmethod
-    def parse(cls, subject: str) -> Lane | None:
+    @staticmethod
+    def parse(subject: str) -> Lane | None:
         """The lane of a work-queue subject; None for anything else."""
-        parts = subject.split(".")
-        if len(parts) not in (6, 7) or parts[1] != "infer":
-            return None
-        worker = parts[6] if len(parts) == 7 else None
-        return cls(subject, parts[3], parts[4], parts[5], worker)
+        return _parse_lane(subject)
 
     @property
     def group(self) -> str:
         """The shared lane's subject (this subject less its worker token)."""
         return self.subject if self.worker is None else self.subject.rpartition(".")[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_lane(subject: str) -> Lane | None:
+    # cached: a worker parses the same few lanes on every take (a Lane is immutable)
+    parts = subject.split(".")
+    if len(parts) not in (6, 7) or parts[1] != "infer":
+        return None
+    worker = parts[6] if len(parts) == 7 else None
+    return Lane(subject, parts[3], parts[4], parts[5], worker)
 
 
 def model_id_from_token(token: str) -> str:
