@@ -231,3 +231,9 @@ async def test_an_offer_read_while_draining_is_not_started(rig: Rig) -> None:
     assert rig.engine.runs == 0
     info = await rig.router.jetstream().stream_info(SUBJECTS.infer_stream)
     assert info.state.messages == 1  # still queued: another worker takes it
+    answer = await rig.other.request(  # and it does (the next test's queue is empty)
+        f"$JS.API.STREAM.MSG.DELETE.{SUBJECTS.infer_stream}",
+        orjson.dumps({"seq": info.state.first_seq, "no_erase": True}),
+        timeout=5,
+    )
+    assert orjson.loads(answer.data)["success"]
