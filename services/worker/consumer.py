@@ -684,6 +684,9 @@ class WorkerConsumer:
         def due() -> None:
             nonlocal start
             start = asyncio.ensure_future(reply.send(ChunkKind.START))
+            # retrieved here too: a call cancelled while it waits for START
+            # (its claim lost) leaves the ClaimLost unawaited
+            start.add_done_callback(lambda sent: sent.cancelled() or sent.exception())
 
         timer = asyncio.get_running_loop().call_later(START_HOLD_S, due)
         try:
