@@ -595,6 +595,24 @@ def render(r: dict[str, Any]) -> list[str]:
         "0.1 ms EEVDF slice, so that its wake-ups preempt the process running, "
         "+1.43-1.48; two Go threads instead of one, +1.40-1.42.",
         "",
+        "Why a hand-off costs that much here (2026-12-05, at 28a06fd): the machine is a "
+        "virtual machine whose kernel packs runnable tasks onto fewer virtual CPUs "
+        "(`sched_vcpu_pack=15` on its command line) and halts an idle virtual CPU at "
+        "once (`haltpoll.guest_halt_poll_ns=0`). A woken process is either queued "
+        "behind the one that woke it or started on a halted CPU, which the host must "
+        "wake first. `perf sched` over 800 calls of one stack at concurrency 1: a woken "
+        "nats-server thread waited 0.22 ms on average before it ran, a woken Python "
+        "process 0.16 ms; in one call the router, woken by its request's "
+        "acknowledgement, waited 0.97 ms in the queue of the CPU where the worker ran "
+        "the call while the other CPU idled. Calls spaced 2 ms apart (a variant of the "
+        "latency measurement made for this page only: one stack, the bare path and the "
+        "engine alone, 1,000 calls each in blocks taking turns; a run back to back, "
+        "then one spaced) left the stack's added latency where it was (+1.55 ms back "
+        "to back, +1.59 spaced; the bare path +0.79 and +0.74), so it is not the "
+        "previous call's work running into the next one. The engine alone took longer "
+        "spaced (0.64 ms back to back, 0.87 spaced): most likely the wake-up of a "
+        "halted CPU.",
+        "",
         "What a microsecond costs where (2026-12-04, at 851a20e): two stacks side by "
         "side, one unchanged and one with a change made for the measurement only, "
         "and the engine alone, in blocks of 100 calls at concurrency 1 taking turns, "
