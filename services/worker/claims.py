@@ -389,10 +389,16 @@ class WorkClaims:
         now = self._read_at = time.monotonic()
         reconnects = int(self.nc.stats["reconnects"])
         request = orjson.dumps({"subjects_filter": self.lanes})
-        reply = await self.nc.request(f"{self._api}.STREAM.INFO.{self.stream}", request, timeout=5)
-        info = orjson.loads(reply.data)
-        if "error" in info:
-            raise RuntimeError(f"work queue: {info['error'].get('description', info['error'])}")
+        try:
+            reply = await self.nc.request(
+                f"{self._api}.STREAM.INFO.{self.stream}", request, timeout=5
+            )
+            info = orjson.loads(reply.data)
+            if "error" in info:
+                raise RuntimeError(f"work queue: {info['error'].get('description', info['error'])}")
+        except BaseException:
+            self._stale = True  # not read: the counts and held offers are no fresher
+            raise
         state = info.get("state", {})
         counts = state.get("subjects") or {}
         self._backlog = {subject: int(n) for subject, n in counts.items()}

@@ -519,8 +519,13 @@ class WorkerConsumer:
         self.inflight[request.request_id] = task
         task.add_done_callback(lambda done: self._release(request.request_id, done))
         if claim is not None:
-            # another worker's after all: stop the work started for it
-            claim.add_done_callback(lambda done: None if _won(done) else task.cancel())
+            # another worker's after all: stop the work started for it, and wake a
+            # pull loop asleep meanwhile (the queue is read again before the next take)
+            claim.add_done_callback(lambda done: None if _won(done) else self._lost(task))
+
+    def _lost(self, task: asyncio.Task[None]) -> None:
+        task.cancel()
+        self._arrival.set()
 
     def _answer_now(
         self, request: InferenceRequest, outcome: Outcome, claim: asyncio.Future[bool] | None

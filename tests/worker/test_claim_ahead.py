@@ -187,6 +187,43 @@ async def test_an_offer_another_worker_had_first_is_stopped_and_sends_nothing(
     assert rig.claimed("direct") == 0
 
 
+async def test_a_lost_claim_wakes_the_sleeping_pull_loop_to_read_the_queue(rig: Rig) -> None:
+    """An offer started in the reader whose claim fails: the pull loop, asleep
+    until an arrival (or its one-second look), reads the queue again at once."""
+    takes: list[float] = []
+    real_take = rig.consumer.claims.take
+
+    async def timed_take() -> Any:
+        takes.append(time.monotonic())
+        return await real_take()
+
+    real_delete = rig.consumer.claims._delete
+
+    async def delete_after_the_other_worker(seq: int) -> bool:
+        await rig.engine.started.wait()
+        await rig.other.request(
+            f"$JS.API.STREAM.MSG.DELETE.{SUBJECTS.infer_stream}",
+            orjson.dumps({"seq": seq, "no_erase": True}),
+            timeout=5,
+        )
+        return await real_delete(seq)
+
+    rig.consumer.claims._delete = delete_after_the_other_worker  # type: ignore[method-assign]
+    async with asyncio.timeout(10):
+        while not rig.consumer._parked:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    rig.consumer.claims.take = timed_take  # type: ignore[method-assign]
+    await rig.dispatcher.submit(rig.request("lost-1"), worker_id="w-1", offer=True)
+    async with asyncio.timeout(10):
+        await rig.engine.stopped.wait()
+    lost_at = time.monotonic()
+    async with asyncio.timeout(10):
+        while not takes:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+    assert takes[0] - lost_at < 0.3  # woken by the loss, not by the one-second look
+    assert rig.consumer.claims._read_at >= takes[0]  # that take read the queue again
+
+
 async def test_an_offer_read_while_the_pull_loop_sleeps_starts_as_it_is_read(rig: Rig) -> None:
     """Taken in the connection's reader: the pull loop, asleep until an
     arrival, never takes it (nor runs it a second time)."""
