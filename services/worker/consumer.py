@@ -521,9 +521,10 @@ class WorkerConsumer:
         if claim is not None:
             # another worker's after all: stop the work started for it, and wake a
             # pull loop asleep meanwhile (the queue is read again before the next take)
-            claim.add_done_callback(lambda done: None if _won(done) else self._lost(task))
+            claim.add_done_callback(lambda done: None if _won(done) else self._claim_lost(task))
 
-    def _lost(self, task: asyncio.Task[None]) -> None:
+    def _claim_lost(self, task: asyncio.Task[None]) -> None:
+        """An offer claimed ahead was another worker's: stop its task, wake the pull loop."""
         task.cancel()
         self._arrival.set()
 

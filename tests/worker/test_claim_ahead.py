@@ -118,6 +118,23 @@ async def rig(nats_server: NatsServer) -> AsyncIterator[Rig]:
         await nc.close()
 
 
+def other_worker_claims_first(rig: Rig) -> None:
+    """The request spills to another worker once it runs here: that worker's delete comes first."""
+    real_delete = rig.consumer.claims._delete
+
+    async def delete_after_the_other_worker(seq: int) -> bool:
+        await rig.engine.started.wait()  # it runs here already
+        answer = await rig.other.request(
+            f"$JS.API.STREAM.MSG.DELETE.{SUBJECTS.infer_stream}",
+            orjson.dumps({"seq": seq, "no_erase": True}),
+            timeout=5,
+        )
+        assert orjson.loads(answer.data)["success"]
+        return await real_delete(seq)
+
+    rig.consumer.claims._delete = delete_after_the_other_worker  # type: ignore[method-assign]
+
+
 async def chunks_within(call: Call, seconds: float) -> list[Any]:
     got = []
     try:
@@ -163,20 +180,7 @@ async def test_an_offer_another_worker_had_first_is_stopped_and_sends_nothing(
 ) -> None:
     """The request spilled to another worker before this one's delete: the work
     started for it is stopped, and nothing of it reaches the router or the counts."""
-    real_delete = rig.consumer.claims._delete
-
-    async def delete_after_the_other_worker(seq: int) -> bool:
-        await rig.engine.started.wait()  # it runs here already
-        # the other worker's claim: its delete comes first
-        answer = await rig.other.request(
-            f"$JS.API.STREAM.MSG.DELETE.{SUBJECTS.infer_stream}",
-            orjson.dumps({"seq": seq, "no_erase": True}),
-            timeout=5,
-        )
-        assert orjson.loads(answer.data)["success"]
-        return await real_delete(seq)
-
-    rig.consumer.claims._delete = delete_after_the_other_worker  # type: ignore[method-assign]
+    other_worker_claims_first(rig)
     call = await rig.dispatcher.submit(rig.request("ahead-2"), worker_id="w-1", offer=True)
     async with asyncio.timeout(10):
         await rig.engine.stopped.wait()  # stopped once the claim failed
@@ -197,18 +201,7 @@ async def test_a_lost_claim_wakes_the_sleeping_pull_loop_to_read_the_queue(rig: 
         takes.append(time.monotonic())
         return await real_take()
 
-    real_delete = rig.consumer.claims._delete
-
-    async def delete_after_the_other_worker(seq: int) -> bool:
-        await rig.engine.started.wait()
-        await rig.other.request(
-            f"$JS.API.STREAM.MSG.DELETE.{SUBJECTS.infer_stream}",
-            orjson.dumps({"seq": seq, "no_erase": True}),
-            timeout=5,
-        )
-        return await real_delete(seq)
-
-    rig.consumer.claims._delete = delete_after_the_other_worker  # type: ignore[method-assign]
+    other_worker_claims_first(rig)
     async with asyncio.timeout(10):
         while not rig.consumer._parked:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
