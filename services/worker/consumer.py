@@ -225,9 +225,13 @@ class WorkerConsumer:
         # engine (load), warmup (a first short request)
         self.startup_parts: dict[str, float] = {}
         self.inflight: dict[str, asyncio.Task[None]] = {}
-        # Requests still in the engine: only these may be cancelled, so a late
-        # cancel cannot cut off the final chunk that carries the usage.
-        self._generating: set[str] = set()
+        # each running request's attempt and its claim ahead (None: claimed already)
+        self._runs: dict[str, tuple[int, asyncio.Future[bool] | None]] = {}
+        # Requests still in the engine, by id: only these may be cancelled, so a
+        # late cancel cannot cut off the final chunk that carries the usage. The
+        # task is kept so that an older copy of the same request, still
+        # stopping, leaves the newer one's entry alone.
+        self._generating: dict[str, asyncio.Task[Any]] = {}
         # Final reports waiting for the router's acknowledgement: the request's
         # slot is free meanwhile, and a drain waits for them.
         self._reporting: set[asyncio.Task[Any]] = set()
@@ -369,15 +373,15 @@ class WorkerConsumer:
             log.warning("malformed cancel message ignored")
             return
         task = self.inflight.get(cancel.request_id)
-        if task is not None and cancel.request_id in self._generating:
-            log.info("cancel", extra={"request_id": cancel.request_id, "reason": cancel.reason})
-            task.cancel()
-        elif task is None:
+        if task is None:
             # Perhaps still in the queue (its client left while it waited):
             # remember it, so that no worker runs it for nobody.
             self._cancelled[cancel.request_id] = time.monotonic()
             while len(self._cancelled) > _CANCELLED_KEPT:
                 del self._cancelled[next(iter(self._cancelled))]
+        elif task is self._generating.get(cancel.request_id):  # still in the engine
+            log.info("cancel", extra={"request_id": cancel.request_id, "reason": cancel.reason})
+            self.inflight[cancel.request_id].cancel()
 
     async def _on_drain(self, msg: Msg) -> None:
         log.info("drain requested over NATS")
@@ -505,6 +509,9 @@ class WorkerConsumer:
             return
         self.claims.share.learn(claimed.subject, request.tenant_weight, request.key_weight)
         claim = claimed.confirm
+        if self._runs_already(request, claim):
+            log.info("already running here", extra={"request_id": request.request_id})
+            return
         if self._cancelled.pop(request.request_id, None) is not None:
             log.info("cancelled before start", extra={"request_id": request.request_id})
             self._answer_now(request, Outcome.CANCELLED, claim)
@@ -517,11 +524,39 @@ class WorkerConsumer:
             self._traced(request, claimed.headers, claim), name=request.request_id
         )
         self.inflight[request.request_id] = task
+        self._runs[request.request_id] = (request.attempt, claim)
         task.add_done_callback(lambda done: self._release(request.request_id, done))
         if claim is not None:
             # another worker's after all: stop the work started for it, and wake a
             # pull loop asleep meanwhile (the queue is read again before the next take)
             claim.add_done_callback(lambda done: None if _won(done) else self._claim_lost(task))
+
+    def _runs_already(self, request: InferenceRequest, claim: asyncio.Future[bool] | None) -> bool:
+        """Whether this copy of a request is dropped for the one already running here.
+
+        A copy comes again when its offer is delivered twice, when this
+        worker reads the request while its claim ahead is on its way, or when
+        the router queued it again as a new attempt (its worker seemed lost).
+        A newer attempt replaces the running one, which is stopped: its router
+        reads only the newer one's replies. Of two copies of the same attempt
+        the one whose claim is this worker's runs: the running one, unless
+        its claim ahead is lost or still on its way while the new copy is
+        claimed already.
+        """
+        running = self.inflight.get(request.request_id)
+        if running is None:
+            return False
+        attempt, ahead = self._runs[request.request_id]
+        if request.attempt != attempt:
+            if request.attempt < attempt:
+                return True
+            running.cancel()
+            return False
+        if ahead is None or (ahead.done() and _won(ahead)):
+            return True  # the running copy is this worker's
+        if ahead.done():
+            return False  # its claim was lost: it is being stopped
+        return claim is not None  # both ahead: the first delete sent decides
 
     def _claim_lost(self, task: asyncio.Task[None]) -> None:
         """An offer claimed ahead was another worker's: stop its task, wake the pull loop."""
@@ -546,6 +581,7 @@ class WorkerConsumer:
     def _release(self, request_id: str, task: asyncio.Task[None]) -> None:
         if self.inflight.get(request_id) is task:  # not a later claim of the same request
             del self.inflight[request_id]
+            del self._runs[request_id]
         self._slot_freed.set()
 
     async def _orphans(self, fresh: bool = False) -> Any:
@@ -584,7 +620,9 @@ class WorkerConsumer:
         current_tally.set(tally)
         reply = _Reply(self.nc, request, self.worker_id, claim)
         started = time.monotonic()
-        self._generating.add(request.request_id)
+        this = asyncio.current_task()
+        if this is not None:
+            self._generating[request.request_id] = this
         outcome = Outcome.COMPLETED
         usage: Usage | None = None
         finish: str | None = None
@@ -631,7 +669,8 @@ class WorkerConsumer:
             ).decode()
             await reply.send(ChunkKind.ERROR, data=failure, status=500)
         finally:
-            self._generating.discard(request.request_id)
+            if self._generating.get(request.request_id) is this:
+                del self._generating[request.request_id]
         # Nothing is counted or reported for a request claimed ahead until it
         # is this worker's (ClaimLost otherwise).
         await reply.claimed()

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -25,7 +26,15 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.settings import WorkerSettings
 from tests.conftest import NatsServer
 from tollgate.runtime.tasks import stop_tasks
-from tollgate.wire.contracts import ChunkKind, Endpoint, InferenceRequest, Usage
+from tollgate.wire import codec
+from tollgate.wire.contracts import (
+    CancelRequest,
+    ChunkKind,
+    Endpoint,
+    InferenceRequest,
+    Outcome,
+    Usage,
+)
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Role, Topology
 
@@ -46,6 +55,7 @@ class HeldEngine:
         self.stopped = asyncio.Event()
         self.runs = 0
         self.cancelled = 0
+        self.stop_s = 0.0  # how long a cancelled run takes to stop (an engine's abort)
 
     def stats(self) -> EngineStats:
         return EngineStats()
@@ -57,6 +67,8 @@ class HeldEngine:
             await self.release.wait()
         except asyncio.CancelledError:
             self.cancelled += 1
+            if self.stop_s:
+                await asyncio.sleep(self.stop_s)
             self.stopped.set()
             raise
         return FullResult('{"answer": 1}', Usage(prompt_tokens=5, completion_tokens=2), "stop")
@@ -267,3 +279,104 @@ async def test_an_offer_read_while_draining_is_not_started(rig: Rig) -> None:
         timeout=5,
     )
     assert orjson.loads(answer.data)["success"]
+
+
+async def until(condition: Any, seconds: float = 10.0) -> None:
+    """Poll ``condition``: state the consumer sets, with no event to wait on."""
+    async with asyncio.timeout(seconds):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+
+async def test_an_offer_delivered_twice_runs_once(rig: Rig) -> None:
+    """A second copy of an offer already claimed and running here starts
+    nothing: the running request keeps its slot, and answers once."""
+    offers: list[tuple[Any, ...]] = []
+    real_offered = rig.consumer.claims.offered
+
+    def recorded(*args: Any) -> bool:
+        offers.append(args)
+        return real_offered(*args)
+
+    rig.consumer.claims.offered = recorded  # type: ignore[method-assign]
+    await until(lambda: rig.consumer._parked)
+    call = await rig.dispatcher.submit(rig.request("twice-1"), worker_id="w-1", offer=True)
+    await until(lambda: "twice-1" in rig.consumer._runs and rig.engine.started.is_set())
+    first = rig.consumer.inflight["twice-1"]
+    claim = rig.consumer._runs["twice-1"][1]
+    assert claim is not None
+    await until(claim.done)
+    assert claim.result()
+    # the same offer once more, as the connection's reader hands it on
+    assert len(offers) == 1
+    started_here = rig.consumer.claims.offered(*offers[0]) and rig.consumer._start_offered()
+    if not started_here:
+        rig.consumer._arrival.set()  # the pull loop takes it instead
+    await asyncio.sleep(0.5)  # its claim (the delete of a request gone) is answered
+    assert rig.engine.runs == 1 and rig.engine.cancelled == 0
+    assert rig.consumer.inflight == {"twice-1": first}
+    rig.engine.release.set()
+    got = []
+    async with asyncio.timeout(10):
+        while not got or got[-1].kind is not ChunkKind.END:
+            got.append(await call.queue.get())
+    # START (the run outlasted the hold before it), then END: one answer
+    assert [(c.kind, c.seq, c.worker_id) for c in got] == [
+        (ChunkKind.START, 0, "w-1"),
+        (ChunkKind.END, 1, "w-1"),
+    ]
+    await rig.dispatcher.acknowledge_end(call)
+    assert await chunks_within(call, 0.5) == []
+    assert rig.consumer.tokens_total == 7
+    assert rig.claimed("direct") == 1
+
+
+async def test_a_request_queued_again_replaces_its_older_attempt_running_here(rig: Rig) -> None:
+    """The router queued the request again (this worker's beats seemed to stop):
+    the older attempt, whose replies nobody reads now, is stopped, and the new
+    one runs and answers on the new attempt's subject."""
+    call = await rig.dispatcher.submit(rig.request("again-1"))
+    await until(rig.engine.started.is_set)
+    first = rig.consumer.inflight["again-1"]
+    await rig.dispatcher.requeue(call)
+    assert call.request.attempt == 1
+    async with asyncio.timeout(10):
+        await rig.engine.stopped.wait()  # the older attempt
+    await until(lambda: rig.engine.runs == 2)
+    assert rig.engine.cancelled == 1
+    assert rig.consumer.inflight["again-1"] is not first
+    assert rig.consumer._runs["again-1"][0] == 1
+    rig.engine.release.set()
+    got = []
+    async with asyncio.timeout(10):
+        while not got or got[-1].kind is not ChunkKind.END:
+            got.append(await call.queue.get())
+    end = got[-1]
+    assert end.worker_id == "w-1" and end.seq == len(got) - 1  # the new attempt's chunks only
+    assert end.usage == Usage(prompt_tokens=5, completion_tokens=2)
+    await rig.dispatcher.acknowledge_end(call)
+    await until(lambda: rig.consumer.inflight == {})
+    assert rig.consumer._runs == {}
+
+
+async def test_a_cancel_reaches_the_newer_attempt_once_the_older_one_stopped(rig: Rig) -> None:
+    """The older attempt takes a while to stop (as an engine's abort does), and
+    ends after the newer one started: the client's cancel still stops the newer one."""
+    rig.engine.stop_s = 0.2
+    call = await rig.dispatcher.submit(rig.request("again-2"))
+    await until(rig.engine.started.is_set)
+    first = rig.consumer.inflight["again-2"]
+    await rig.dispatcher.requeue(call)
+    await until(lambda: rig.engine.runs == 2)
+    await until(first.done)  # the older attempt ended after the newer one started
+    assert rig.engine.cancelled == 1
+    cancel = CancelRequest(request_id="again-2", reason="client left")
+    await rig.consumer._on_cancel(SimpleNamespace(data=codec.encode(cancel)))  # type: ignore[arg-type]
+    got = []
+    async with asyncio.timeout(10):
+        while not got or got[-1].kind is not ChunkKind.END:
+            got.append(await call.queue.get())
+    assert got[-1].outcome is Outcome.CANCELLED and got[-1].worker_id == "w-1"
+    assert rig.engine.cancelled == 2
+    await rig.dispatcher.acknowledge_end(call)
+    await until(lambda: rig.consumer.inflight == {})
