@@ -211,20 +211,26 @@ class WorkClaims:
     def _forget_offers(self, created_again: bool) -> None:
         """After a read of the queue: drop the offers whose requests are gone.
 
-        All of them when the queue was created again; else those stored
-        before the read (so counted by it) in a lane it found empty, and
-        those below its first sequence. Offers stored after the read are
-        added to the counts.
+        All of them when the queue was created again; else those below its
+        first sequence, and of those stored before the read (so counted by
+        it) all but the newest as many as their lane holds: the others were
+        taken from the lane's front (they spilled to other workers) or
+        withdrawn. Offers stored after the read are added to the counts.
         """
         if created_again:
             self._offers.clear()
             self._offered_bytes = 0
             return
-        for seq, offer in list(self._offers.items()):
-            if seq < self._first_seq or (seq <= self._last_seq and offer.lane not in self._backlog):
+        read = dict(self._backlog)
+        counted: dict[str, int] = {}  # per lane: offers kept that the read counted
+        for seq in sorted(self._offers, reverse=True):  # newest first
+            lane = self._offers[seq].lane
+            if seq > self._last_seq:
+                self._backlog[lane] = self._backlog.get(lane, 0) + 1
+                continue
+            counted[lane] = counted.get(lane, 0) + 1
+            if seq < self._first_seq or counted[lane] > read.get(lane, 0):
                 self._drop_offer(seq)
-            elif seq > self._last_seq:
-                self._backlog[offer.lane] = self._backlog.get(offer.lane, 0) + 1
 
     def ripe_in(self) -> float | None:
         """Seconds until a request in another worker's direct lane may be taken (None: none)."""
@@ -282,6 +288,7 @@ class WorkClaims:
             subject = self._pick()
             if subject is None:
                 return None
+            reconnects = int(self.nc.stats["reconnects"])
             offered = self._take_offer(subject)
             got = offered or await self._oldest(subject)
             if got is None:
@@ -301,8 +308,8 @@ class WorkClaims:
                 continue  # the request there is younger than the wait: its worker may take it
             if got is offered:
                 return self._taken(self._ahead(seq, claimed))
-            if not await self._delete(seq):
-                self._stale = True  # other workers are taking from these lanes
+            if not self._connected_since(reconnects) or not await self._delete(seq):
+                self._stale = True  # other workers are taking from these lanes, or NATS is away
                 continue  # another worker had it first
             self._drop_offer(seq)  # claimed by reading: its offer, if any, is spent
             return self._taken(claimed)
@@ -434,20 +441,32 @@ class WorkClaims:
         """The delete of an offer claimed ahead: True when this worker has the request.
 
         ``reconnects``: this connection's reconnects when the queue was last
-        read. After another one the sequence may name a request of a queue a
-        restarted server made anew, so it is not deleted (the request, if it
-        still waits, is found by reading). A delete that fails on the way
+        read. The delete is not sent while the connection is down or after
+        another reconnect (:meth:`_connected_since`): the request, if it still
+        waits, is found by reading. A delete that fails on the way
         (NATS away) counts as lost: as with a claim by reading, the request may
         have been deleted without this worker hearing so, and it is not run
         on a guess.
         """
         try:
-            if self.nc.stats["reconnects"] == reconnects and await self._delete(seq):
+            if self._connected_since(reconnects) and await self._delete(seq):
                 return True
         except Exception as exc:
             log.warning("claiming an offer failed: %s: %s", type(exc).__name__, exc)
         self._stale = True  # another worker took it, or the queue changed: read it again
         return False
+
+    def _connected_since(self, reconnects: int) -> bool:
+        """Whether the connection is up with no reconnect since it had ``reconnects``.
+
+        Only then is a sequence read before sure to name the same request: a
+        restarted server's memory queue counts sequences from 1 again, and a
+        delete sent while NATS is away waits in the client's buffer and goes
+        to whichever server it reconnects to. A window of one turn of the
+        event loop is left: a delete written to the buffer just before the
+        connection drops still goes out after the reconnect.
+        """
+        return bool(self.nc.is_connected) and self.nc.stats["reconnects"] == reconnects
 
     async def _delete(self, seq: int) -> bool:
         """Delete message ``seq``: True when this worker deleted it (and so has it)."""

@@ -18,7 +18,7 @@ import orjson
 import pytest
 from nats.aio.client import Client as NATS
 
-from services.worker.claims import WorkClaims
+from services.worker.claims import WorkClaims, _Offer
 from services.worker.fairshare import FairShare
 from tests.conftest import NatsServer
 from tests.lib.net import free_port
@@ -513,6 +513,20 @@ async def test_a_request_claimed_by_reading_spends_its_offer(
     assert claims._offers == {} and claims._offered_bytes == 0
 
 
+async def reconnected(router: NATS, worker: NATS, before: tuple[int, int]) -> None:
+    """Wait until both connections reconnected since ``before``; then make the queue again."""
+    deadline = time.monotonic() + 30
+    while not (
+        router.stats["reconnects"] > before[0]
+        and worker.stats["reconnects"] > before[1]
+        and router.is_connected
+        and worker.is_connected
+    ):
+        assert time.monotonic() < deadline, "no reconnect"
+        await asyncio.sleep(0.05)
+    await T.ensure_work(router.jetstream())
+
+
 async def test_offers_from_before_a_server_restart_are_never_claimed_by_their_sequence(
     router: NATS, worker: NATS, server: NatsServer
 ) -> None:
@@ -529,16 +543,7 @@ async def test_offers_from_before_a_server_restart_are_never_claimed_by_their_se
     before = (router.stats["reconnects"], worker.stats["reconnects"])
     server.stop()
     server.start()
-    deadline = time.monotonic() + 30
-    while not (
-        router.stats["reconnects"] > before[0]
-        and worker.stats["reconnects"] > before[1]
-        and router.is_connected
-        and worker.is_connected
-    ):
-        assert time.monotonic() < deadline, "no reconnect"
-        await asyncio.sleep(0.05)
-    await T.ensure_work(router.jetstream())
+    await reconnected(router, worker, before)
     many = max(seq for seq, _ in old) + 1
     victim = await publish_offered(router, [lane("globex", model=victims)] * many)
     assert {seq for seq, _ in old} <= {seq for seq, _ in victim}  # the same numbers again
@@ -691,3 +696,75 @@ async def test_an_offer_claimed_ahead_is_not_deleted_after_a_reconnect(
     finally:
         worker.stats["reconnects"] -= 1
     assert await queued(server, model) == 0
+
+
+async def test_offers_of_requests_that_spilled_are_dropped_at_the_next_read(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    """Other workers took the lane's oldest requests after their wait: of the
+    offers held, only the newest as many as the lane still holds are kept, so
+    the next take claims the one left, with no claim made in vain."""
+    model = "sim/claims-offer-spilled"
+    mine = direct("acme", "w-1", model)
+    claims = CountingReads(worker, S, model, "w-1")
+    await claims._read_backlog()
+    sent = await publish_offered(router, [mine, mine, mine])
+    for seq, body in sent:
+        assert claims.offered(mine, seq, body, {}, claims._created)
+    other = WorkClaims(worker, S, model, "w-2", spill_after_s=0)
+    spilled = [await other.take() for _ in range(2)]
+    assert [c.data for c in spilled if c is not None] == [body for _, body in sent[:2]]
+    await claims._read_backlog()
+    assert claims._backlog == {mine: 1}
+    assert list(claims._offers) == [sent[2][0]]
+    assert claims._offered_bytes == len(sent[2][1])
+    taken = await claims.take()
+    assert taken is not None and taken.data == sent[2][1] and taken.confirm is not None
+    assert await taken.confirm is True
+    assert claims.reads == 0
+    assert await queued(server, model) == 0
+
+
+def test_offers_stored_after_a_read_do_not_keep_older_ones_that_left_the_lane() -> None:
+    """The read counted one request in the lane; of the offers it counted, only
+    the newest is kept, whatever offers came after the read."""
+    mine = direct("acme", "w-1", "sim/claims-forget")
+    claims = WorkClaims(None, S, "sim/claims-forget", "w-1")  # type: ignore[arg-type]
+    for seq in (3, 4, 5, 6):
+        claims._offers[seq] = _Offer(mine, b"x", {})
+    claims._offered_bytes = 4
+    # as a read leaves them: 1 request in the lane, sequences 1 to 5 in the queue
+    claims._backlog, claims._first_seq, claims._last_seq = {mine: 1}, 1, 5
+    claims._forget_offers(created_again=False)
+    assert sorted(claims._offers) == [5, 6]  # 6 was stored after the read
+    assert claims._backlog == {mine: 2} and claims._offered_bytes == 2
+
+
+async def test_an_offer_is_not_claimed_while_nats_is_away(
+    router: NATS, worker: NATS, server: NatsServer
+) -> None:
+    """A delete sent while the connection is down would wait in the client's
+    buffer and reach whichever server it reconnects to, where the sequence
+    may be another request: the claim ahead fails at once, and nothing is sent."""
+    model = "sim/claims-offer-away"
+    mine = direct("acme", "w-1", model)
+    claims = CountingReads(worker, S, model, "w-1")
+    await claims._read_backlog()
+    [(seq, body)] = await publish_offered(router, [mine])
+    assert claims.offered(mine, seq, body, {}, claims._created)
+    before = (router.stats["reconnects"], worker.stats["reconnects"])
+    server.stop()
+    try:
+        deadline = time.monotonic() + 10
+        while worker.is_connected:
+            assert time.monotonic() < deadline, "the worker never noticed"
+            await asyncio.sleep(0.01)
+        ahead = await claims.take()  # the counts were read just now
+        assert ahead is not None and ahead.data == body and ahead.confirm is not None
+        async with asyncio.timeout(1):  # not held until the reconnect
+            assert await ahead.confirm is False
+        assert claims._stale
+        assert worker.pending_data_size == 0  # no delete waits in the buffer
+    finally:
+        server.start()
+        await reconnected(router, worker, before)
