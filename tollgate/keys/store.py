@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import jwt
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from tollgate.keys.records import Algorithm, AuditEvent, KeyRecord, KeyState, SigningKey
 from tollgate.keys.tokens import SigningKeySet, auth_dir, new_key, strip_prefix, write_secret
-from tollgate.wire.topology import Role, Topology
+from tollgate.wire.topology import Role, Topology, bucket_keys
 
 
 class KeyExistsError(Exception):
@@ -100,10 +100,7 @@ class KeyStore:
         return None if found is None else found[0]
 
     async def all(self) -> list[KeyRecord]:
-        try:
-            names = await self.keys.keys()
-        except NoKeysError:
-            return []
+        names = await bucket_keys(self.js, self.topology.keys.name)
         records = [await self.get(name) for name in names]
         return [r for r in records if r is not None]
 

@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from tollgate.keys.records import AuditEvent, TenantRecord
 from tollgate.wire.subjects import model_token
-from tollgate.wire.topology import Role, Topology
+from tollgate.wire.topology import Role, Topology, bucket_keys
 
 LIMIT_FIELDS = (
     "rpm",
@@ -80,10 +80,7 @@ class TenantStore:
         return found[0] if found is not None else None
 
     async def all(self) -> list[TenantRecord]:
-        try:
-            names = await self.kv.keys()
-        except NoKeysError:
-            return []
+        names = await bucket_keys(self.js, self.topology.tenants.name)
         records = []
         for name in names:
             try:

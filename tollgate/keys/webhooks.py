@@ -23,10 +23,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 from pydantic import BaseModel, ConfigDict, Field
 
-from tollgate.wire.topology import Topology
+from tollgate.wire.topology import Topology, bucket_keys
 
 SIGNATURE_HEADER = "Tollgate-Signature"
 # How far a signed timestamp may be from the receiver's clock (seconds).
@@ -106,10 +106,7 @@ class WebhookStore:
         return WebhookRecord.model_validate_json(entry.value) if entry.value else None
 
     async def all(self) -> list[WebhookRecord]:
-        try:
-            names = await self.kv.keys()
-        except NoKeysError:
-            return []
+        names = await bucket_keys(self.js, self.topology.webhooks.name)
         records = [await self.get(name) for name in names]
         return sorted((r for r in records if r is not None), key=lambda r: r.created_at)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import orjson
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -673,6 +674,29 @@ class Topology:
             return await js.key_value(spec.name)
         except (BucketNotFoundError, NotFoundError):
             return await js.create_key_value(spec.config(self.replicas))
+
+
+async def bucket_keys(js: JetStreamContext, name: str) -> list[str]:
+    """The keys bucket ``name`` holds, from its stream's count per subject.
+
+    A deleted or purged key is among them (its marker stays): a get tells.
+    nats.py's ``KeyValue.keys()`` is not used: its listing ends when the
+    consumer it creates reports nothing pending, which can be before the
+    messages already on their way arrive, so a key written just before may
+    be missing. The server sends the counts in pages (100,000 subjects each).
+    """
+    prefix = f"$KV.{name}."
+    keys: list[str] = []
+    while True:
+        request = orjson.dumps({"subjects_filter": f"{prefix}>", "offset": len(keys)})
+        reply = await js._nc.request(f"{js._prefix}.STREAM.INFO.KV_{name}", request, timeout=5)
+        info = orjson.loads(reply.data)
+        if "error" in info:
+            raise RuntimeError(f"bucket {name}: {info['error'].get('description', info['error'])}")
+        page = (info.get("state") or {}).get("subjects") or {}
+        keys.extend(subject.removeprefix(prefix) for subject in page)
+        if not page or len(keys) >= int(info.get("total") or 0):
+            return keys
 
 
 def describe(topology: Topology) -> str:
