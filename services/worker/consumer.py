@@ -227,11 +227,11 @@ class WorkerConsumer:
         self.inflight: dict[str, asyncio.Task[None]] = {}
         # each running request's attempt and its claim ahead (None: claimed already)
         self._runs: dict[str, tuple[int, asyncio.Future[bool] | None]] = {}
-        # Requests still in the engine, by id: only these may be cancelled, so a
-        # late cancel cannot cut off the final chunk that carries the usage. The
-        # task is kept so that an older copy of the same request, still
-        # stopping, leaves the newer one's entry alone.
-        self._generating: dict[str, asyncio.Task[Any]] = {}
+        # The tasks of requests still in the engine: only these may be cancelled,
+        # so a late cancel cannot cut off the final chunk that carries the usage
+        # (tasks, not ids: an older copy of a request, still stopping, leaves
+        # the newer one cancellable).
+        self._generating: set[asyncio.Task[Any]] = set()
         # Final reports waiting for the router's acknowledgement: the request's
         # slot is free meanwhile, and a drain waits for them.
         self._reporting: set[asyncio.Task[Any]] = set()
@@ -379,9 +379,9 @@ class WorkerConsumer:
             self._cancelled[cancel.request_id] = time.monotonic()
             while len(self._cancelled) > _CANCELLED_KEPT:
                 del self._cancelled[next(iter(self._cancelled))]
-        elif task is self._generating.get(cancel.request_id):  # still in the engine
+        elif task in self._generating:
             log.info("cancel", extra={"request_id": cancel.request_id, "reason": cancel.reason})
-            self.inflight[cancel.request_id].cancel()
+            task.cancel()
 
     async def _on_drain(self, msg: Msg) -> None:
         log.info("drain requested over NATS")
@@ -622,7 +622,7 @@ class WorkerConsumer:
         started = time.monotonic()
         this = asyncio.current_task()
         if this is not None:
-            self._generating[request.request_id] = this
+            self._generating.add(this)
         outcome = Outcome.COMPLETED
         usage: Usage | None = None
         finish: str | None = None
@@ -669,8 +669,7 @@ class WorkerConsumer:
             ).decode()
             await reply.send(ChunkKind.ERROR, data=failure, status=500)
         finally:
-            if self._generating.get(request.request_id) is this:
-                del self._generating[request.request_id]
+            self._generating.discard(this)
         # Nothing is counted or reported for a request claimed ahead until it
         # is this worker's (ClaimLost otherwise).
         await reply.claimed()
