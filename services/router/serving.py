@@ -632,10 +632,14 @@ class OpenAIServing:
     async def _late_end(self, call: Call) -> ResponseChunk | None:
         """The worker's final report, after the client went away (None: it never came).
 
-        Time cut off from NATS does not count: the cancel and the worker's
+        The wait goes on, ``late_usage_wait_s`` at a time, while the worker
+        running the call still beats: a loaded worker may answer the cancel
+        late, and a report that came after the router stopped waiting would
+        not be billed (the call would be billed only what was relayed). Time
+        cut off from NATS does not count either: the cancel and the worker's
         report wait in the clients' buffers and go out once both reconnect,
-        so a wait that saw the connection down or come back starts again (at
-        most until the request's deadline).
+        so a wait that saw the connection down or come back starts again.
+        Never past the request's deadline.
         """
         nc = self.dispatcher.nc
         give_up = time.monotonic() + max(0.0, call.request.deadline - time.time())
@@ -649,7 +653,8 @@ class OpenAIServing:
                             return chunk
             except TimeoutError:
                 cut_off = not nc.is_connected or nc.stats["reconnects"] != reconnects
-                if not cut_off or time.monotonic() >= give_up:
+                running = call.worker_id is not None and self.workers.alive(call.worker_id)
+                if not (cut_off or running) or time.monotonic() >= give_up:
                     return None
 
 

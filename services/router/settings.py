@@ -82,7 +82,12 @@ class RouterSettings(BaseSettings, HttpLimits):
         description="Usage-event outbox (SQLite); <var>/outbox/router-<port>.db when unset.",
     )
     late_usage_wait_s: float = Field(
-        default=2.0, ge=0, description="After a disconnect, wait this long for the usage report."
+        default=2.0,
+        ge=0,
+        description=(
+            "After a disconnect, wait this long for the worker's final report;"
+            " longer while that worker still beats (never past the deadline)."
+        ),
     )
     metrics_tenant_label: bool = Field(
         default=False,

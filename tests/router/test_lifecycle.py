@@ -393,6 +393,62 @@ async def test_a_client_hanging_up_mid_stream_gets_one_cancel_and_one_event(
     assert router.ended() == 1
 
 
+async def test_a_worker_slow_to_answer_the_cancel_is_waited_for_while_it_beats(
+    open_router: OpenRouter,
+) -> None:
+    """A loaded worker reports well after the router's wait for the report: the
+    router waits on while the worker beats, and bills what the engine generated."""
+
+    async def report_late(reply: Reply) -> None:
+        await reply.start()
+        await reply.send(
+            ChunkKind.DATA, data=STREAMED[0], usage=Usage(prompt_tokens=5, completion_tokens=1)
+        )
+        await reply.cancelled.wait()
+        await asyncio.sleep(1.2)  # four of the router's waits for the report
+        await reply.end(Outcome.CANCELLED, Usage(prompt_tokens=5, completion_tokens=9))
+
+    router = await open_router(late_usage_wait_s=0.3)
+    await router.worker(report_late, heartbeat_s=0.1)
+    r = await router.post(stream=True)
+    assert await r.content.readuntil(b"\n\n") == STREAMED[0].encode()
+    r.close()
+
+    event = (await router.close()).one_event()
+    assert (event.outcome, event.http_status) == (Outcome.CLIENT_DISCONNECTED, 499)
+    assert (event.prompt_tokens, event.completion_tokens) == (5, 9)
+
+
+async def test_a_worker_lost_after_the_client_left_is_not_waited_for(
+    open_router: OpenRouter,
+) -> None:
+    """The worker stops beating instead of reporting: the router stops waiting
+    (well before the call's deadline) and bills what it relayed."""
+    lost = asyncio.Event()
+
+    async def die_on_cancel(reply: Reply) -> None:
+        await reply.start()
+        await reply.send(
+            ChunkKind.DATA, data=STREAMED[0], usage=Usage(prompt_tokens=5, completion_tokens=1)
+        )
+        await reply.cancelled.wait()
+        lost.set()
+
+    router = await open_router(late_usage_wait_s=0.3, request_timeout_s=120)
+    worker = await router.worker(die_on_cancel, heartbeat_s=0.1)
+    r = await router.post(stream=True)
+    assert await r.content.readuntil(b"\n\n") == STREAMED[0].encode()
+    r.close()
+    async with asyncio.timeout(10):
+        await lost.wait()
+    worker.stop_heartbeats()
+    # The router's stop waits at most 10 s for its calls to finish: a wait for
+    # the report until the deadline would leave no event here.
+    event = (await router.close()).one_event()
+    assert (event.outcome, event.http_status) == (Outcome.CLIENT_DISCONNECTED, 499)
+    assert (event.prompt_tokens, event.completion_tokens) == (5, 1)
+
+
 async def test_a_worker_that_stops_heartbeating_ends_the_stream_with_one_event(
     open_router: OpenRouter,
 ) -> None:
