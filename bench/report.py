@@ -448,6 +448,8 @@ def _soak(r: dict[str, Any]) -> list[str]:
         f"| rows of calls the clients have no id for (of those) / of refused calls "
         f"| {r['extra_rows']} / {r['refused_with_rows']} |",
         f"| rows whose tokens differ from the engine's counts | {r['token_mismatches']} |",
+        f"| final reports lost (neither acknowledged nor kept; during faults) "
+        f"| {r.get('final_reports_lost', 0)} |",
         f"| tokens billed (prompt / completion) | {r['tokens']['prompt']} / "
         f"{r['tokens']['completion']} |",
         "",

@@ -665,18 +665,24 @@ class Soak:
 
     # -- the report ---------------------------------------------------------
 
-    def engine_reports(self) -> dict[str, tuple[int, int]]:
-        reports = {}
+    def engine_reports(self) -> tuple[dict[str, tuple[int, int]], set[str]]:
+        """The engine's counts per request whose final report was billable, and
+        the requests whose report was lost (neither acknowledged nor kept)."""
+        reports, lost = {}, set()
         for path in (self.var / "logs").glob("worker-*.log"):
             for line in path.read_text(errors="replace").splitlines():
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     entry = orjson.loads(line)
-                    if entry.get("msg") == "request done" and "request_id" in entry:
-                        reports[entry["request_id"]] = (
-                            entry["prompt_tokens"],
-                            entry["completion_tokens"],
-                        )
-        return reports
+                    if entry.get("msg") != "request done" or "request_id" not in entry:
+                        continue
+                    if entry.get("report") == "lost":
+                        lost.add(entry["request_id"])
+                        continue
+                    reports[entry["request_id"]] = (
+                        entry["prompt_tokens"],
+                        entry["completion_tokens"],
+                    )
+        return reports, lost
 
     def explained_by(self, call: Call) -> str | None:
         for fault in self.injected:
@@ -705,7 +711,14 @@ class Soak:
         # the client has no request id for them, but they may have been accepted.
         extra_rows = set(rows) - set(ids) - {c.request_id for c in calls}
         headless = [c for c in calls if c.request_id is None and c.error]
-        engine = self.engine_reports()
+        # A report lost (NATS away past the worker's retries, or the worker
+        # stopped first) is billed what the router relayed, or zero when the
+        # router was lost too: the engine's counts are no reference for it.
+        engine, lost_reports = self.engine_reports()
+        by_id = {c.request_id: c for c in calls if c.request_id}
+        lost_unexplained = [
+            rid for rid in lost_reports if rid in by_id and self.explained_by(by_id[rid]) is None
+        ]
         mismatched = []
         for c in accepted:
             row = rows.get(c.request_id or "")
@@ -757,6 +770,10 @@ class Soak:
             self.problems.append(f"{len(refused_billed)} refused calls have a usage row")
         if mismatched:
             self.problems.append(f"{len(mismatched)} rows differ from the engine's counts")
+        if lost_unexplained:
+            self.problems.append(
+                f"{len(lost_unexplained)} final reports lost with no fault in flight"
+            )
         if unexplained:
             self.problems.append(f"{len(unexplained)} errors with no fault in flight")
         if billed > BUDGET_TOKENS + in_flight * worst:
@@ -789,6 +806,7 @@ class Soak:
             "extra_rows_by_outcome": dict(Counter(rows[r][4] for r in extra_rows)),
             "refused_with_rows": len(refused_billed),
             "token_mismatches": len(mismatched),
+            "final_reports_lost": len(lost_reports),
             "mismatch_examples": mismatched[:10],
             "rows_by_outcome": dict(Counter(r[4] for r in rows.values()).most_common()),
             "tokens": {

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,8 @@ _CANCELLED_KEPT = 10_000
 # How long the router that holds a call has to acknowledge its END chunk.
 END_ACK_TIMEOUT_S = 3.0
 # A final report nobody listens for is sent again every END_RESEND_EVERY_S for
-# END_RESEND_FOR_S before it is kept in the orphans bucket (the router waits
-# this long for a report after its client left: TOLLGATE_ROUTER_LATE_USAGE_WAIT_S).
+# END_RESEND_FOR_S before it is kept in the orphans bucket (the router waits at
+# least this long for a report after its client left: TOLLGATE_ROUTER_LATE_USAGE_WAIT_S).
 END_RESEND_EVERY_S = 0.25
 END_RESEND_FOR_S = 2.0
 # How long a final report no router acknowledged is offered to the orphans
@@ -81,6 +82,14 @@ class ClaimLost(Exception):
 def _won(claim: asyncio.Future[bool]) -> bool:
     """Whether a finished claim ahead made the request this worker's."""
     return not claim.cancelled() and claim.result()
+
+
+class Delivery(StrEnum):
+    """Where a request's final report went (the "report" of its "request done" log)."""
+
+    ACKNOWLEDGED = "acknowledged"  # the router holding the call has it
+    KEPT = "kept"  # in the orphans bucket, for that router's next run
+    LOST = "lost"  # neither (NATS away past the retries, or the worker stopped first)
 
 
 class _Reply:
@@ -129,13 +138,12 @@ class _Reply:
         await self.claimed()
         await self.nc.publish(self.request.reply_to, self._chunk(kind, **fields))
 
-    async def end(self, orphans: Callable[..., Awaitable[Any]], **fields: object) -> bool:
+    async def end(self, orphans: Callable[..., Awaitable[Any]], **fields: object) -> Delivery:
         """The final report, which the router that holds the call acknowledges.
 
         Without an acknowledgement (that router was killed, or cut off from
         the bus) the report is kept in the orphans bucket under the request
-        id, where the router's next run finds it and bills the call. False
-        when it went there.
+        id, where the router's next run finds it and bills the call.
         """
         await self.claimed()
         data = self._chunk(ChunkKind.END, **fields)
@@ -146,7 +154,7 @@ class _Reply:
             reconnects = self.nc.stats["reconnects"]
             try:
                 await self.nc.request(self.request.reply_to, data, timeout=END_ACK_TIMEOUT_S)
-                return True
+                return Delivery.ACKNOWLEDGED
             except NoRespondersError:
                 pass
             except TimeoutError:
@@ -159,8 +167,8 @@ class _Reply:
             if time.monotonic() >= give_up:
                 break
             await asyncio.sleep(END_RESEND_EVERY_S)
-        await keep_orphan(orphans, self.request.request_id, data)
-        return False
+        kept = await keep_orphan(orphans, self.request.request_id, data, ORPHAN_RETRY_S)
+        return Delivery.KEPT if kept else Delivery.LOST
 
 
 async def keep_orphan(
@@ -690,9 +698,13 @@ class WorkerConsumer:
         }
 
         async def report_then_log() -> None:
-            # Logged once the report is answered (or kept): not on the call's path.
+            # Logged once the report is answered, kept or given up: not on the
+            # call's path. The log says where the report went: a lost one is
+            # not billed as generated (its router bills what it relayed, or
+            # zero for a call it lost too).
+            delivery = Delivery.LOST
             try:
-                await reply.end(
+                delivery = await reply.end(
                     self._orphans,
                     usage=usage,
                     outcome=outcome,
@@ -700,8 +712,11 @@ class WorkerConsumer:
                     worker_id=self.worker_id,
                     data=body_on_end,
                 )
+            except asyncio.CancelledError:
+                log.error("final report lost: the worker stopped before it was delivered or kept")
+                raise
             finally:
-                log.info("request done", extra=done)
+                log.info("request done", extra={**done, "report": delivery.value})
 
         report = asyncio.create_task(report_then_log())
         self._reporting.add(report)

@@ -11,7 +11,7 @@ import pytest
 from nats.errors import NoRespondersError
 
 from services.worker import consumer
-from services.worker.consumer import _Reply, keep_orphan
+from services.worker.consumer import Delivery, _Reply, keep_orphan
 from tollgate.wire.contracts import Endpoint, InferenceRequest, Outcome
 
 
@@ -91,7 +91,7 @@ async def test_a_report_nobody_hears_yet_is_sent_again_before_it_is_kept() -> No
     """After NATS comes back, the router may subscribe again after this worker reconnected."""
     nc = _Bus(unheard=3)
     orphans = _FlakyOrphans(failures=0)
-    assert await _reply(nc).end(orphans, outcome=Outcome.COMPLETED)
+    assert await _reply(nc).end(orphans, outcome=Outcome.COMPLETED) is Delivery.ACKNOWLEDGED
     assert nc.sent == 4 and orphans.kept == {}
 
 
@@ -99,9 +99,19 @@ async def test_a_report_nobody_hears_for_long_is_kept(monkeypatch: pytest.Monkey
     monkeypatch.setattr(consumer, "END_RESEND_FOR_S", 0.3)
     nc = _Bus(unheard=1000)
     orphans = _FlakyOrphans(failures=0)
-    assert not await _reply(nc).end(orphans, outcome=Outcome.COMPLETED)
+    assert await _reply(nc).end(orphans, outcome=Outcome.COMPLETED) is Delivery.KEPT
     assert 2 <= nc.sent <= 4  # every 0.25 s for 0.3 s
     assert list(orphans.kept) == ["req-end"]
+
+
+async def test_a_report_neither_heard_nor_kept_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NATS went down with the router and stays away past the retries: the worker says so."""
+    monkeypatch.setattr(consumer, "END_RESEND_FOR_S", 0.3)
+    monkeypatch.setattr(consumer, "ORPHAN_RETRY_S", 0.8)
+    nc = _Bus(unheard=1000)
+    orphans = _FlakyOrphans(failures=1000)
+    assert await _reply(nc).end(orphans, outcome=Outcome.COMPLETED) is Delivery.LOST
+    assert orphans.kept == {} and len(orphans.opened) >= 2
 
 
 async def test_a_report_sent_while_cut_off_is_sent_again_once_back(
@@ -112,5 +122,5 @@ async def test_a_report_sent_while_cut_off_is_sent_again_once_back(
     monkeypatch.setattr(consumer, "END_RESEND_FOR_S", 0.3)
     nc = _Bus(unheard=1, cut_off_s=0.5)
     orphans = _FlakyOrphans(failures=0)
-    assert await _reply(nc).end(orphans, outcome=Outcome.COMPLETED)
+    assert await _reply(nc).end(orphans, outcome=Outcome.COMPLETED) is Delivery.ACKNOWLEDGED
     assert nc.sent == 2 and orphans.kept == {}
