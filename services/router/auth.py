@@ -133,6 +133,10 @@ def _token(request: web.Request) -> str | None:
 
 
 BUCKETS = ("keys", "signing", "tenants")
+# A watch whose "initial values are in" marker came before the values counts as
+# loaded once they are in, or at the latest this long after the marker (a value
+# the server sent that nats.py does not hand on would otherwise hold it back).
+INITIAL_VALUES_GRACE_S = 2.0
 
 
 class KeyMirror:
@@ -231,11 +235,18 @@ class KeyMirror:
                 status = await kv.status()
                 self._floor[name] = max(self._floor[name], status.stream_info.state.last_seq)
                 watcher = await kv.watchall()
+                last = 0  # the highest sequence this watch delivered
                 async for entry in watcher:
-                    if entry is None:  # the initial values are all in
-                        self._loaded(name)
+                    if entry is None:  # nats.py: the initial values are all in
+                        if await self._all_received(watcher, last):
+                            self._loaded(name)
+                        else:  # they are on their way: the last of them has delta 0
+                            asyncio.get_running_loop().call_later(
+                                INITIAL_VALUES_GRACE_S, self._loaded, name
+                            )
                         continue
                     self._receive(name, apply, entry)
+                    last = max(last, entry.revision or 0)
                     if entry.delta == 0:
                         self._loaded(name)
             except asyncio.CancelledError:
@@ -243,6 +254,21 @@ class KeyMirror:
             except Exception as exc:  # NATS restarting: watch again from the start
                 log.warning("watch of %s failed: %s: %s", name, type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
+
+    @staticmethod
+    async def _all_received(watcher: Any, last: int) -> bool:
+        """Whether a watch's "initial values are in" marker holds.
+
+        nats.py sends the marker when its new consumer has nothing pending and
+        its subscription has received nothing yet, which is also the case
+        while the values the server has just sent are still on their way.
+        They are in once this watch has delivered what the server sent.
+        """
+        try:
+            info = await watcher._sub.consumer_info()
+        except Exception:  # NATS restarting: the watch is started again anyway
+            return True
+        return bool(info.delivered.stream_seq <= last)
 
     def _receive(self, name: str, apply: Callable[[str, bytes | None], None], entry: Any) -> None:
         """Apply one entry of a watch and remember its sequence."""
