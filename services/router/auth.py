@@ -236,19 +236,24 @@ class KeyMirror:
                 self._floor[name] = max(self._floor[name], status.stream_info.state.last_seq)
                 watcher = await kv.watchall()
                 last = 0  # the highest sequence this watch delivered
-                async for entry in watcher:
-                    if entry is None:  # nats.py: the initial values are all in
-                        if await self._all_received(watcher, last):
+                grace: asyncio.TimerHandle | None = None  # this watch's only
+                try:
+                    async for entry in watcher:
+                        if entry is None:  # nats.py: the initial values are all in
+                            if await self._all_received(watcher, last):
+                                self._loaded(name)
+                            else:  # on their way: the last of them has delta 0
+                                grace = asyncio.get_running_loop().call_later(
+                                    INITIAL_VALUES_GRACE_S, self._loaded, name
+                                )
+                            continue
+                        self._receive(name, apply, entry)
+                        last = max(last, entry.revision or 0)
+                        if entry.delta == 0:
                             self._loaded(name)
-                        else:  # they are on their way: the last of them has delta 0
-                            asyncio.get_running_loop().call_later(
-                                INITIAL_VALUES_GRACE_S, self._loaded, name
-                            )
-                        continue
-                    self._receive(name, apply, entry)
-                    last = max(last, entry.revision or 0)
-                    if entry.delta == 0:
-                        self._loaded(name)
+                finally:
+                    if grace is not None:
+                        grace.cancel()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # NATS restarting: watch again from the start
@@ -262,13 +267,16 @@ class KeyMirror:
         nats.py sends the marker when its new consumer has nothing pending and
         its subscription has received nothing yet, which is also the case
         while the values the server has just sent are still on their way.
-        They are in once this watch has delivered what the server sent.
+        They are in once this watch has delivered what the server sent
+        (nothing, or up to the last sequence sent). Unknown (NATS busy or
+        restarting): not yet, and the grace timer or the value with delta 0
+        decides.
         """
         try:
             info = await watcher._sub.consumer_info()
-        except Exception:  # NATS restarting: the watch is started again anyway
-            return True
-        return bool(info.delivered.stream_seq <= last)
+            return bool(info.delivered.consumer_seq == 0 or info.delivered.stream_seq <= last)
+        except Exception:
+            return False
 
     def _receive(self, name: str, apply: Callable[[str, bytes | None], None], entry: Any) -> None:
         """Apply one entry of a watch and remember its sequence."""

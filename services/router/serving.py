@@ -146,6 +146,7 @@ class OpenAIServing:
         self.usage = usage
         self.metrics = metrics
         self._finishing: set[asyncio.Task[None]] = set()
+        self._draining = False  # set by drain: late reports are no longer waited for
         self.drain_meter = DrainMeter()
         self.affinity = Affinity(
             workers,
@@ -560,6 +561,13 @@ class OpenAIServing:
         task.add_done_callback(self._finishing.discard)
 
     async def drain(self, timeout: float = 10) -> None:
+        """Let the calls still finishing record their usage (bounded).
+
+        A call waiting for a late final report stops waiting after its
+        current round and bills what it relayed: a stopping router must not
+        leave its event unwritten.
+        """
+        self._draining = True
         if self._finishing:
             await asyncio.wait(self._finishing, timeout=timeout)
 
@@ -567,7 +575,8 @@ class OpenAIServing:
         """The call is over: emit its usage event and settle its reservation.
 
         When the client went away before the end, the worker still reports the
-        tokens it generated; wait briefly for that report so billing stays exact.
+        tokens it generated; wait for that report (:meth:`_late_end`) so
+        billing stays exact.
         """
         end, outcome = ending.end, ending.outcome
         if end is None and call.worker_id is not None and outcome is not Outcome.WORKER_LOST:
@@ -639,14 +648,17 @@ class OpenAIServing:
         cut off from NATS does not count either: the cancel and the worker's
         report wait in the clients' buffers and go out once both reconnect,
         so a wait that saw the connection down or come back starts again.
-        Never past the request's deadline.
+        Either reason to wait on ends at the request's deadline (a call cut
+        off by its deadline still gets one round), and neither holds once the
+        router is stopping (:meth:`drain`).
         """
         nc = self.dispatcher.nc
+        wait = self.settings.late_usage_wait_s
         give_up = time.monotonic() + max(0.0, call.request.deadline - time.time())
         while True:
             reconnects = nc.stats["reconnects"]
             try:
-                async with asyncio.timeout(self.settings.late_usage_wait_s):
+                async with asyncio.timeout(wait):
                     while True:
                         chunk = await call.queue.get()
                         if chunk.kind is ChunkKind.END:
@@ -654,7 +666,12 @@ class OpenAIServing:
             except TimeoutError:
                 cut_off = not nc.is_connected or nc.stats["reconnects"] != reconnects
                 running = call.worker_id is not None and self.workers.alive(call.worker_id)
-                if not (cut_off or running) or time.monotonic() >= give_up:
+                if (
+                    wait <= 0  # configured not to wait
+                    or self._draining
+                    or not (cut_off or running)
+                    or time.monotonic() >= give_up
+                ):
                     return None
 
 

@@ -89,7 +89,7 @@ class Delivery(StrEnum):
 
     ACKNOWLEDGED = "acknowledged"  # the router holding the call has it
     KEPT = "kept"  # in the orphans bucket, for that router's next run
-    LOST = "lost"  # neither (NATS away past the retries, or the worker stopped first)
+    LOST = "lost"  # not confirmed (NATS away past the retries, or the worker stopped first)
 
 
 class _Reply:
@@ -699,9 +699,10 @@ class WorkerConsumer:
 
         async def report_then_log() -> None:
             # Logged once the report is answered, kept or given up: not on the
-            # call's path. The log says where the report went: a lost one is
-            # not billed as generated (its router bills what it relayed, or
-            # zero for a call it lost too).
+            # call's path. The log says where the report went. One "lost" was
+            # neither acknowledged nor kept: its router bills what it relayed
+            # (zero for a call it lost too), unless the report reached it and
+            # only the acknowledgement was lost.
             delivery = Delivery.LOST
             try:
                 delivery = await reply.end(

@@ -30,13 +30,19 @@ def _entry(key_id: str, revision: int, delta: int) -> Any:
 class ScriptedWatch:
     """Yields the marker, then (once let go) the entries the server had delivered."""
 
-    def __init__(self, entries: list[Any], delivered: int) -> None:
+    def __init__(self, entries: list[Any], delivered: int, sent: int | None = None) -> None:
+        """``delivered``: the last stream sequence the server sent; ``sent``: how
+        many messages it sent (as many as the entries unless told)."""
         self.entries = entries
         self.go = asyncio.Event()
         self.marker_sent = asyncio.Event()
-        info = SimpleNamespace(delivered=SimpleNamespace(stream_seq=delivered))
+        self.info_fails = False
+        count = len(entries) if sent is None else sent
+        info = SimpleNamespace(delivered=SimpleNamespace(stream_seq=delivered, consumer_seq=count))
 
         async def consumer_info() -> Any:
+            if self.info_fails:
+                raise TimeoutError("nats: timeout")
             return info
 
         self._sub = SimpleNamespace(consumer_info=consumer_info)
@@ -97,13 +103,56 @@ async def test_a_marker_after_everything_was_received_loads_at_once() -> None:
         task.cancel()
 
 
+async def test_an_empty_bucket_that_held_values_loads_at_once() -> None:
+    """Its last sequence is past zero, but the server sent nothing."""
+    mirror = KeyMirror()
+    watch = ScriptedWatch([], delivered=5)
+    task = await _follow(mirror, ScriptedBucket(watch, last_seq=5))
+    try:
+        assert mirror._synced["keys"].is_set()
+    finally:
+        task.cancel()
+
+
+async def test_a_marker_that_cannot_be_checked_is_not_trusted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(auth, "INITIAL_VALUES_GRACE_S", 30)
+    mirror = KeyMirror()
+    watch = ScriptedWatch([_entry("k1", 1, 0)], delivered=1)
+    watch.info_fails = True
+    task = await _follow(mirror, ScriptedBucket(watch, last_seq=1))
+    try:
+        assert not mirror._synced["keys"].is_set()
+        watch.go.set()
+        async with asyncio.timeout(5):
+            await mirror._synced["keys"].wait()
+        assert set(mirror.records) == {"k1"}
+    finally:
+        task.cancel()
+
+
+async def test_the_grace_of_a_watch_that_ended_does_not_load_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(auth, "INITIAL_VALUES_GRACE_S", 0.2)
+    mirror = KeyMirror()
+    watch = ScriptedWatch([], delivered=3, sent=1)
+    task = await _follow(mirror, ScriptedBucket(watch, last_seq=3))
+    task.cancel()  # stopped (a reconnect, a stall) before its values came
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0.4)
+    assert not mirror._synced["keys"].is_set()
+    assert mirror._applied["keys"] == 0
+
+
 async def test_values_that_never_come_hold_the_mirror_back_only_a_moment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A value the server sent but nats.py dropped (a marker it does not know)."""
     monkeypatch.setattr(auth, "INITIAL_VALUES_GRACE_S", 0.2)
     mirror = KeyMirror()
-    watch = ScriptedWatch([], delivered=3)
+    watch = ScriptedWatch([], delivered=3, sent=1)
     task = await _follow(mirror, ScriptedBucket(watch, last_seq=3))
     try:
         assert not mirror._synced["keys"].is_set()

@@ -399,6 +399,8 @@ async def test_a_worker_slow_to_answer_the_cancel_is_waited_for_while_it_beats(
     """A loaded worker reports well after the router's wait for the report: the
     router waits on while the worker beats, and bills what the engine generated."""
 
+    reported = asyncio.Event()
+
     async def report_late(reply: Reply) -> None:
         await reply.start()
         await reply.send(
@@ -407,12 +409,15 @@ async def test_a_worker_slow_to_answer_the_cancel_is_waited_for_while_it_beats(
         await reply.cancelled.wait()
         await asyncio.sleep(1.2)  # four of the router's waits for the report
         await reply.end(Outcome.CANCELLED, Usage(prompt_tokens=5, completion_tokens=9))
+        reported.set()
 
     router = await open_router(late_usage_wait_s=0.3)
-    await router.worker(report_late, heartbeat_s=0.1)
+    await router.worker(report_late)
     r = await router.post(stream=True)
     assert await r.content.readuntil(b"\n\n") == STREAMED[0].encode()
     r.close()
+    async with asyncio.timeout(10):
+        await reported.wait()  # before the router stops (it stops waiting then)
 
     event = (await router.close()).one_event()
     assert (event.outcome, event.http_status) == (Outcome.CLIENT_DISCONNECTED, 499)
@@ -444,6 +449,35 @@ async def test_a_worker_lost_after_the_client_left_is_not_waited_for(
     worker.stop_heartbeats()
     # The router's stop waits at most 10 s for its calls to finish: a wait for
     # the report until the deadline would leave no event here.
+    event = (await router.close()).one_event()
+    assert (event.outcome, event.http_status) == (Outcome.CLIENT_DISCONNECTED, 499)
+    assert (event.prompt_tokens, event.completion_tokens) == (5, 1)
+
+
+async def test_a_stopping_router_stops_waiting_for_a_late_report_and_bills_the_call(
+    open_router: OpenRouter,
+) -> None:
+    """The worker beats on but never reports: the router's stop does not wait
+    for the report until the deadline (its event would be lost), it bills what
+    was relayed."""
+    cancelled = asyncio.Event()
+
+    async def never_report(reply: Reply) -> None:
+        await reply.start()
+        await reply.send(
+            ChunkKind.DATA, data=STREAMED[0], usage=Usage(prompt_tokens=5, completion_tokens=1)
+        )
+        await reply.cancelled.wait()
+        cancelled.set()
+
+    router = await open_router(late_usage_wait_s=0.3, request_timeout_s=120)
+    await router.worker(never_report)
+    r = await router.post(stream=True)
+    assert await r.content.readuntil(b"\n\n") == STREAMED[0].encode()
+    r.close()
+    async with asyncio.timeout(10):
+        await cancelled.wait()
+    await asyncio.sleep(1.0)  # the router is waiting on, the worker beating
     event = (await router.close()).one_event()
     assert (event.outcome, event.http_status) == (Outcome.CLIENT_DISCONNECTED, 499)
     assert (event.prompt_tokens, event.completion_tokens) == (5, 1)
