@@ -313,13 +313,18 @@ async def _stream(reply: Reply) -> None:
     await reply.end(Outcome.COMPLETED, Usage(prompt_tokens=5, completion_tokens=2), "stop")
 
 
-async def _until_cancelled(reply: Reply) -> None:
-    """Start, send one piece, and stop only when the router cancels (then report)."""
+async def _one_piece_until_cancelled(reply: Reply) -> None:
+    """Start, send one piece (one token counted), and wait for the router's cancel."""
     await reply.start()
     await reply.send(
         ChunkKind.DATA, data=STREAMED[0], usage=Usage(prompt_tokens=5, completion_tokens=1)
     )
     await reply.cancelled.wait()
+
+
+async def _until_cancelled(reply: Reply) -> None:
+    """Start, send one piece, and stop only when the router cancels (then report)."""
+    await _one_piece_until_cancelled(reply)
     await reply.end(Outcome.CANCELLED, Usage(prompt_tokens=5, completion_tokens=2))
 
 
@@ -402,11 +407,7 @@ async def test_a_worker_slow_to_answer_the_cancel_is_waited_for_while_it_beats(
     reported = asyncio.Event()
 
     async def report_late(reply: Reply) -> None:
-        await reply.start()
-        await reply.send(
-            ChunkKind.DATA, data=STREAMED[0], usage=Usage(prompt_tokens=5, completion_tokens=1)
-        )
-        await reply.cancelled.wait()
+        await _one_piece_until_cancelled(reply)
         await asyncio.sleep(1.2)  # four of the router's waits for the report
         await reply.end(Outcome.CANCELLED, Usage(prompt_tokens=5, completion_tokens=9))
         reported.set()
@@ -432,11 +433,7 @@ async def test_a_worker_lost_after_the_client_left_is_not_waited_for(
     lost = asyncio.Event()
 
     async def die_on_cancel(reply: Reply) -> None:
-        await reply.start()
-        await reply.send(
-            ChunkKind.DATA, data=STREAMED[0], usage=Usage(prompt_tokens=5, completion_tokens=1)
-        )
-        await reply.cancelled.wait()
+        await _one_piece_until_cancelled(reply)
         lost.set()
 
     router = await open_router(late_usage_wait_s=0.3, request_timeout_s=120)
@@ -463,11 +460,7 @@ async def test_a_stopping_router_stops_waiting_for_a_late_report_and_bills_the_c
     cancelled = asyncio.Event()
 
     async def never_report(reply: Reply) -> None:
-        await reply.start()
-        await reply.send(
-            ChunkKind.DATA, data=STREAMED[0], usage=Usage(prompt_tokens=5, completion_tokens=1)
-        )
-        await reply.cancelled.wait()
+        await _one_piece_until_cancelled(reply)
         cancelled.set()
 
     router = await open_router(late_usage_wait_s=0.3, request_timeout_s=120)
