@@ -422,9 +422,14 @@ def render(r: dict[str, Any]) -> list[str]:
         "the stack's own share of its added latency is the difference between the two.",
         "",
         "The machine's state moves every absolute figure, the ratios far less: the same "
-        "benchmark at 07:19 UTC that day (the tree of 4744f54) measured the engine alone "
-        "at 0.38 ms, the bare path at +0.48 ms, the stack at +1.07 ms and 1.06 ms of CPU "
-        "per call at concurrency 16, and the baseline at +3.07 ms and 4.21 ms.",
+        "benchmark on 2026-12-05 at 07:19 UTC (the tree of 4744f54) measured the engine "
+        "alone at 0.38 ms, the bare path at +0.48 ms, the stack at +1.07 ms and 1.06 ms of "
+        "CPU per call at concurrency 16, and the baseline at +3.07 ms and 4.21 ms; at "
+        "12:17 UTC the same day (a busier machine) the bare path at +0.81 ms and the stack "
+        "at +1.89 ms and 1.47 ms. Three runs back to back on 2026-12-06 at 20:15-20:21 UTC "
+        "(the tree of 8d7fa8a) measured the stack at +1.03, +1.26 and +1.26 ms and 0.94, "
+        "1.09 and 1.07 ms of CPU per call at concurrency 16, the bare path at +0.48 to "
+        "+0.53 ms.",
         "",
         "What the cuts since the baseline are:",
         "",
