@@ -230,6 +230,16 @@ class Router:
             s.value for m in requests.collect() for s in m.samples if s.name.endswith("_total")
         )
 
+    async def until_ended(self, calls: int = 1) -> None:
+        """Wait (at most 10 s) until the router has ended ``calls`` calls while it runs.
+
+        A stopping router stops waiting for late reports: a test about a late
+        report waits for its call to end before it stops the router.
+        """
+        async with asyncio.timeout(10):
+            while self.ended() < calls:  # noqa: ASYNC110 - polls the router's metrics
+                await asyncio.sleep(0.05)
+
     async def close(self) -> Published:
         """Stop the router (it finishes its calls and flushes their usage events)."""
         if self.closed is not None:
@@ -414,11 +424,7 @@ async def test_a_worker_slow_to_answer_the_cancel_is_waited_for_while_it_beats(
     r = await router.post(stream=True)
     assert await r.content.readuntil(b"\n\n") == STREAMED[0].encode()
     r.close()
-    # The call ends while the router runs (a stopping router stops waiting, so
-    # a report sent just before the stop could be missed by that alone).
-    async with asyncio.timeout(10):
-        while router.ended() < 1:  # noqa: ASYNC110 - polls the router's metrics
-            await asyncio.sleep(0.05)
+    await router.until_ended()
 
     event = (await router.close()).one_event()
     assert (event.outcome, event.http_status) == (Outcome.CLIENT_DISCONNECTED, 499)
@@ -444,11 +450,8 @@ async def test_a_worker_lost_after_the_client_left_is_not_waited_for(
     async with asyncio.timeout(10):
         await lost.wait()
     worker.stop_heartbeats()
-    # The call ends while the router runs on (a stopping router stops waiting
-    # anyway): a wait for the report until the deadline would not end here.
-    async with asyncio.timeout(10):
-        while router.ended() < 1:  # noqa: ASYNC110 - polls the router's metrics
-            await asyncio.sleep(0.05)
+    # A wait for the report until the deadline would not end here.
+    await router.until_ended()
     event = (await router.close()).one_event()
     assert (event.outcome, event.http_status) == (Outcome.CLIENT_DISCONNECTED, 499)
     assert (event.prompt_tokens, event.completion_tokens) == (5, 1)
@@ -637,6 +640,7 @@ async def test_a_nats_outage_while_waiting_for_the_final_report_still_bills_it(
         for nc in connections:
             await nc.flush()  # their subscriptions are back on the server
         back.set()
+        await router.until_ended()
         published = await router.close()
     finally:
         server.stop()
