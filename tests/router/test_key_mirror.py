@@ -172,8 +172,15 @@ async def test_a_stalled_whitelist_watch_makes_the_router_unready_and_refuse_the
     assert gauge(router, "tollgate_router_whitelist_stale") == 0
 
     # The watch stalls: it stops applying what the bucket delivers, with no
-    # reconnect to restart it. Then the key is revoked.
+    # reconnect to restart it. Then the key is revoked. First a lag check has
+    # seen the mirror current: one that ran while the key's issue was on its
+    # way would date the lag from then, before the revoke.
     mirror: KeyMirror = router.app[KEYS]
+
+    async def current() -> bool:
+        return mirror.lag_s == 0
+
+    await wait_for(current)
     monkeypatch.setattr(mirror, "_receive", lambda *args: None, raising=False)
     revoked_at = time.monotonic()
     assert await keys.store.revoke(key_id) is not None

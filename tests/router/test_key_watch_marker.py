@@ -135,13 +135,13 @@ async def test_a_marker_that_cannot_be_checked_is_not_trusted(
 async def test_the_grace_of_a_watch_that_ended_does_not_load_the_next(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(auth, "INITIAL_VALUES_GRACE_S", 0.2)
+    monkeypatch.setattr(auth, "INITIAL_VALUES_GRACE_S", 1.0)
     mirror = KeyMirror()
     watch = ScriptedWatch([], delivered=3, sent=1)
     task = await _follow(mirror, ScriptedBucket(watch, last_seq=3))
     task.cancel()  # stopped (a reconnect, a stall) before its values came
     await asyncio.gather(task, return_exceptions=True)
-    await asyncio.sleep(0.4)
+    await asyncio.sleep(1.5)  # past the grace the ended watch had
     assert not mirror._synced["keys"].is_set()
     assert mirror._applied["keys"] == 0
 
@@ -150,7 +150,7 @@ async def test_values_that_never_come_hold_the_mirror_back_only_a_moment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A value the server sent but nats.py dropped (a marker it does not know)."""
-    monkeypatch.setattr(auth, "INITIAL_VALUES_GRACE_S", 0.2)
+    monkeypatch.setattr(auth, "INITIAL_VALUES_GRACE_S", 1.0)
     mirror = KeyMirror()
     watch = ScriptedWatch([], delivered=3, sent=1)
     task = await _follow(mirror, ScriptedBucket(watch, last_seq=3))
