@@ -11,7 +11,7 @@ import orjson
 from services.router.endpoints import prompts_of, worst_case_tokens
 from tests.router.test_key_mirror import OpenKeys, signing_keys, wait_status
 from tests.router.test_key_mirror import open_keys as open_keys
-from tests.router.test_lifecycle import CATALOG, MODEL, OpenRouter, Reply
+from tests.router.test_lifecycle import CATALOG, MODEL, OpenRouter, Reply, Script
 from tests.router.test_lifecycle import open_router as open_router
 from tollgate.wire.contracts import ChunkKind, Endpoint, Outcome, Usage
 
@@ -60,13 +60,17 @@ BATCH = {"model": MODEL, "prompt": PROMPTS, "max_tokens": 16, "n": 2}
 GENERATED = len(PROMPTS) * 2 * 16  # what an engine makes of BATCH at most
 
 
-async def _answer_every_prompt(reply: Reply) -> None:
-    """An engine that generates for every prompt and choice up to the limit."""
-    await reply.start()
-    await asyncio.sleep(0.2)  # the reservations of every racing request are in flight
-    await reply.send(ChunkKind.DATA, data='{"object":"text_completion","choices":[]}')
-    usage = Usage(prompt_tokens=len(PROMPTS) * 4, completion_tokens=GENERATED)
-    await reply.end(Outcome.COMPLETED, usage, "length")
+def _answer_every_prompt(release: asyncio.Event) -> Script:
+    """An engine that generates for every prompt and choice up to the limit, once released."""
+
+    async def answer(reply: Reply) -> None:
+        await reply.start()
+        await release.wait()
+        await reply.send(ChunkKind.DATA, data='{"object":"text_completion","choices":[]}')
+        usage = Usage(prompt_tokens=len(PROMPTS) * 4, completion_tokens=GENERATED)
+        await reply.end(Outcome.COMPLETED, usage, "length")
+
+    return answer
 
 
 async def test_batched_requests_cannot_overshoot_a_budget_sized_for_ten(
@@ -75,7 +79,8 @@ async def test_batched_requests_cannot_overshoot_a_budget_sized_for_ten(
     router = await open_router(auth=True)
     keys = await open_keys(router, signing_keys(tmp_path, "EdDSA"))
     await keys.publish_current()
-    await router.worker(_answer_every_prompt)
+    release = asyncio.Event()
+    await router.worker(_answer_every_prompt(release))
     worst = worst_case_tokens(Endpoint.COMPLETIONS, BATCH, CONTEXT)
     budget = 10 * worst
     token, _ = await keys.issue(budget_tokens=budget, budget_period="total")
@@ -86,7 +91,20 @@ async def test_batched_requests_cannot_overshoot_a_budget_sized_for_ten(
         r = await router.http.post("/v1/completions", json=BATCH, headers=headers)
         return r.status, await r.json()
 
-    results = await asyncio.gather(*(one() for _ in range(30)))
+    # The calls that run are answered once the others have been refused: a
+    # call that ended would give back what it reserved beyond its use, room
+    # for one more. With every call reserving its worst case, 20 are refused
+    # while 10 run; were they reserving less, more would run, and fewer than
+    # 20 would be refused before the wait below ends.
+    calls = [asyncio.create_task(one()) for _ in range(30)]
+    try:
+        async with asyncio.timeout(10):
+            while sum(c.done() for c in calls) < 20:  # noqa: ASYNC110 - polls the calls
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        pass  # too many running: the count below says so
+    release.set()
+    results = await asyncio.gather(*calls)
     ran = [body for status, body in results if status == 200]
     refused = [body for status, body in results if status == 429]
     assert len(ran) + len(refused) == 30, [status for status, _ in results]
