@@ -505,7 +505,7 @@ async def test_events_that_trickle_in_stay_on_the_server_until_the_window_ends(b
     await bus.stop_writers()
     pull = await BatchPull(bus.nc, bus.spec.stream, bus.spec.durable).start()
     try:
-        fetch = asyncio.create_task(pull.fetch(100, timeout=5, window=1.0))
+        fetch = asyncio.create_task(pull.fetch(100, timeout=5, window=3.0))
         await bus.publish(range(1))
         for i in range(1, 6):  # during the window
             await asyncio.sleep(0.05)
