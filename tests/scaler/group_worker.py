@@ -33,6 +33,11 @@ def main() -> int:
     engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE)
     assert engine.stdout is not None
     engine.stdout.readline()  # its SIGTERM is ignored from here on
+    # Set before the record is written: the test may signal as soon as it reads it.
+    if mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     folder = Path(os.environ["GROUP_WORKER_DIR"])
     record = " ".join(
         [
@@ -47,10 +52,6 @@ def main() -> int:
     partial.rename(folder / os.environ["TOLLGATE_WORKER_WORKER_ID"])  # whole or not at all
     if mode == "crash":
         return 3
-    if mode == "stubborn":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    else:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     time.sleep(600)
     return 0
 
