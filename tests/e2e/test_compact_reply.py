@@ -34,9 +34,20 @@ async def replies(stack: Stack) -> AsyncIterator[dict[str, list[ResponseChunk]]]
         await nc.subscribe(f"{Subjects().prefix}.reply.>", cb=on_chunk)
         await nc.flush()
         yield seen
-        await asyncio.sleep(0.3)  # the last END's copy on its way to this listener
     finally:
         await nc.close()
+
+
+async def until_ended(seen: dict[str, list[ResponseChunk]], *calls: httpx.Response) -> None:
+    """Wait (at most 10 s) until this listener has each call's END too."""
+
+    def ended(r: httpx.Response) -> bool:
+        chunks = seen.get(r.headers["x-request-id"], [])
+        return any(c.kind is ChunkKind.END for c in chunks)
+
+    async with asyncio.timeout(10):
+        while not all(ended(r) for r in calls):  # noqa: ASYNC110 - polls the listener
+            await asyncio.sleep(0.02)
 
 
 async def test_a_non_stream_call_answered_at_once_is_one_message_and_a_slow_one_two(
@@ -44,11 +55,20 @@ async def test_a_non_stream_call_answered_at_once_is_one_message_and_a_slow_one_
 ) -> None:
     ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     async with replies(stack) as seen, httpx.AsyncClient(timeout=60) as http:
-        quick = await http.post(
-            f"{router_url}/v1/chat/completions",
-            json={"model": SIM_MODEL, **ask},
-            headers=auth_headers,
-        )
+        # The simulated engine answers within a few milliseconds, well inside
+        # START_HOLD_S; a machine that stalls the worker past it gets a START
+        # first. So: the first of up to five quick calls that is one message.
+        quicks: list[httpx.Response] = []
+        for _ in range(5):
+            quick = await http.post(
+                f"{router_url}/v1/chat/completions",
+                json={"model": SIM_MODEL, **ask},
+                headers=auth_headers,
+            )
+            quicks.append(quick)
+            await until_ended(seen, quick)
+            if len(seen[quick.headers["x-request-id"]]) == 1:
+                break
         # ten tokens a second: 0.4 s, longer than the worker holds its START back
         slow = await http.post(
             f"{router_url}/v1/chat/completions",
@@ -60,13 +80,19 @@ async def test_a_non_stream_call_answered_at_once_is_one_message_and_a_slow_one_
             json={"model": SIM_MODEL, "stream": True, **ask},
             headers=auth_headers,
         )
-    for r in (quick, slow, streamed):
+        await until_ended(seen, slow, streamed)
+    for r in (*quicks, slow, streamed):
         assert r.status_code == 200, r.text
     # the whole answer reached the client, counted as the engine counted it
-    for r in (quick, slow):
+    for r in (*quicks, slow):
         body = r.json()
         assert body["choices"][0]["message"]["content"]
         assert body["usage"]["completion_tokens"] == 4
+    for r in quicks[:-1]:  # held past START_HOLD_S: the START, then the END, as a slow call
+        assert [c.kind for c in seen[r.headers["x-request-id"]]] == [
+            ChunkKind.START,
+            ChunkKind.END,
+        ]
     quick_chunks = seen[quick.headers["x-request-id"]]
     assert [c.kind for c in quick_chunks] == [ChunkKind.END]
     (end,) = quick_chunks
