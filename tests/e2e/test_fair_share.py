@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import (
     COLD_MODEL,
@@ -111,6 +112,14 @@ async def until(check: Any, timeout: float = 60) -> None:
         await asyncio.sleep(0.1)
 
 
+def in_flight(metrics_text: str) -> float:
+    """The router's calls dispatched and not ended, from its ``/metrics`` text."""
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "tollgate_router_requests_in_flight":
+            return sum(sample.value for sample in family.samples)
+    raise AssertionError("the router has no in-flight gauge")
+
+
 def p95(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[max(0, round(0.95 * len(ordered)) - 1)]
@@ -199,7 +208,12 @@ async def test_a_full_queue_and_a_busy_key_answer_at_once_with_retry_after(
 
         # The key's limit: two at once, the third refused at once.
         first = [asyncio.create_task(call(limited)) for _ in range(2)]
-        await asyncio.sleep(0.5)
+
+        async def both_running() -> bool:
+            text = (await http.get(f"{url}/metrics")).text
+            return in_flight(text) >= 2
+
+        await until(both_running, timeout=30)
         third = await call(limited)
         assert third.status_code == 429, third.text
         assert third.json()["error"]["code"] == "concurrency_limit_exceeded"
