@@ -139,6 +139,15 @@ class Call:
 
 
 @dataclass
+class EngineReports:
+    """Where the workers' final reports went, by request id (their ``request done`` lines)."""
+
+    acknowledged: dict[str, tuple[int, int]] = field(default_factory=dict)  # billed by the router
+    kept: dict[str, tuple[int, int]] = field(default_factory=dict)  # in the orphans bucket
+    lost: dict[str, float] = field(default_factory=dict)  # when it was given up (monotonic)
+
+
+@dataclass
 class Fault:
     name: str
     start: float
@@ -665,28 +674,33 @@ class Soak:
 
     # -- the report ---------------------------------------------------------
 
-    def engine_reports(self) -> tuple[dict[str, tuple[int, int]], set[str]]:
-        """The engine's counts per request whose final report was billable, and
-        the requests whose report was lost (neither acknowledged nor kept)."""
-        reports, lost = {}, set()
+    def engine_reports(self) -> EngineReports:
+        """What the workers' ``request done`` lines say of each request's final report."""
+        reports = EngineReports()
+        # the workers' log lines carry wall-clock times
+        monotonic_minus_wall = time.monotonic() - time.time()
         for path in (self.var / "logs").glob("worker-*.log"):
             for line in path.read_text(errors="replace").splitlines():
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     entry = orjson.loads(line)
                     if entry.get("msg") != "request done" or "request_id" not in entry:
                         continue
-                    if entry.get("report") == "lost":
-                        lost.add(entry["request_id"])
-                        continue
-                    reports[entry["request_id"]] = (
-                        entry["prompt_tokens"],
-                        entry["completion_tokens"],
-                    )
-        return reports, lost
+                    rid, report = entry["request_id"], entry.get("report")
+                    counts = (entry["prompt_tokens"], entry["completion_tokens"])
+                    if report == "lost":
+                        reports.lost[rid] = float(entry["ts"]) + monotonic_minus_wall
+                    elif report == "kept":
+                        reports.kept[rid] = counts
+                    else:
+                        reports.acknowledged[rid] = counts
+        return reports
 
-    def explained_by(self, call: Call) -> str | None:
+    def explained_by(self, call: Call, until: float | None = None) -> str | None:
+        """The fault in flight during ``call`` (to ``until``, when its effects outlast
+        what the client saw: a final report is sent after the client's last byte)."""
+        end = call.t1 if until is None else max(call.t1, until)
         for fault in self.injected:
-            if call.t0 <= fault.end + FAULT_GRACE_S and call.t1 >= fault.start:
+            if call.t0 <= fault.end + FAULT_GRACE_S and end >= fault.start:
                 return fault.name
         return None
 
@@ -714,10 +728,16 @@ class Soak:
         # A report lost (NATS away past the worker's retries, or the worker
         # stopped first) is billed what the router relayed, or zero when the
         # router was lost too: the engine's counts are no reference for it.
-        engine, lost_reports = self.engine_reports()
+        engine = self.engine_reports()
+        lost_reports = engine.lost
         by_id = {c.request_id: c for c in calls if c.request_id}
+        # A report is lost some time after its client finished (a stream's END
+        # follows its last event; a hang-up's report answers the cancel): the
+        # fault must touch the report's life, from the call to its loss.
         lost_unexplained = [
-            rid for rid in lost_reports if rid in by_id and self.explained_by(by_id[rid]) is None
+            {**asdict(by_id[rid]), "report_lost_at": lost_at}
+            for rid, lost_at in lost_reports.items()
+            if rid in by_id and self.explained_by(by_id[rid], until=lost_at) is None
         ]
         mismatched = []
         for c in accepted:
@@ -806,7 +826,9 @@ class Soak:
             "extra_rows_by_outcome": dict(Counter(rows[r][4] for r in extra_rows)),
             "refused_with_rows": len(refused_billed),
             "token_mismatches": len(mismatched),
+            "final_reports_kept": len(engine.kept),
             "final_reports_lost": len(lost_reports),
+            "lost_report_examples": lost_unexplained[:10],
             "mismatch_examples": mismatched[:10],
             "rows_by_outcome": dict(Counter(r[4] for r in rows.values()).most_common()),
             "tokens": {
@@ -845,17 +867,21 @@ class Soak:
         }
 
 
-def _expected_tokens(
-    call: Call, outcome: str, engine: dict[str, tuple[int, int]]
-) -> tuple[int, int] | None:
-    """What a row must hold, by the rules of docs/architecture.md; None: no single answer."""
+def _expected_tokens(call: Call, outcome: str, engine: EngineReports) -> tuple[int, int] | None:
+    """What a row must hold, by the rules of docs/architecture.md; None: no single answer.
+
+    A report the router acknowledged is one it billed. A report kept in the
+    orphans bucket is billed only by a router that was lost (``router_lost``);
+    a router that stopped waiting for it (its worker stopped beating, or the
+    router was stopping) billed what it had relayed.
+    """
     rid = call.request_id or ""
     if outcome == "completed" and call.completion_tokens is not None:
         return (call.prompt_tokens or 0, call.completion_tokens)
     if outcome in ("completed", "client_disconnected", "cancelled", "deadline_exceeded"):
-        return engine.get(rid)
+        return engine.acknowledged.get(rid)
     if outcome == "router_lost":  # the worker's final report, or nothing if none ran it
-        return engine.get(rid, (0, 0))
+        return engine.kept.get(rid, (0, 0))
     if outcome == "worker_lost":
         return None  # what the router relayed: the prompt count may not have reached it
     if outcome in ("no_capacity", "not_dispatched", "expired", "drained"):
