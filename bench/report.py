@@ -487,6 +487,14 @@ def _soak(r: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
+        "The metering service's open files follow the threads of its embedded ClickHouse "
+        "engine, not the rows it stores: each engine thread that has run part of an "
+        "insert or a query keeps three files of its own open for its counters "
+        "(`/proc/self/task/<tid>/stat`, `schedstat` and `io`), so they stop at three a "
+        "thread. Measured alone (2026-12-07: the metering store inserting 36 rows a "
+        "second for 16 minutes), its open files rose from 53 to 191 while its threads "
+        "stayed at 151, one set of three per thread that had worked.",
+        "",
         f"Processes left after the run: {len(r['orphans'])}. "
         + (
             "Invariants: all held."
