@@ -441,7 +441,11 @@ class OpenAIServing:
                 chunk = queue.get_nowait()
             if chunk.seq != expected:
                 # The worker is alive (a chunk was lost on the way): not queued again,
-                # since cancelling its attempt would cancel the new one too.
+                # since cancelling its attempt would cancel the new one too. The
+                # call is billed from the worker's final report (see finish): one
+                # that came already is left for it.
+                if chunk.kind is ChunkKind.END:
+                    queue.put_nowait(chunk)
                 raise WorkerLost("The response stream from the worker was interrupted.")
             expected += 1
             kind = chunk.kind
@@ -574,18 +578,23 @@ class OpenAIServing:
     async def finish(self, call: Call, prepared: Prepared, ending: Ending) -> None:
         """The call is over: emit its usage event and settle its reservation.
 
-        When the client went away before the end, the worker still reports the
-        tokens it generated; wait for that report (:meth:`_late_end`) so
-        billing stays exact.
+        When the call ended before the worker's final report (the client went
+        away, the deadline passed, a chunk was lost on the way), the worker
+        still reports the tokens it generated; wait for that report
+        (:meth:`_late_end`) so billing stays exact. A worker that stopped
+        beating is not waited for: its report is taken only if it came already.
         """
         end, outcome = ending.end, ending.outcome
-        if end is None and call.worker_id is not None and outcome is not Outcome.WORKER_LOST:
-            end = await self._late_end(call)
+        if end is None and call.worker_id is not None:
+            if outcome is not Outcome.WORKER_LOST or self.workers.alive(call.worker_id):
+                end = await self._late_end(call)
+            else:
+                end = _end_in_hand(call)
         self.dispatcher.finish(call)
         if end is not None and end.usage is not None:
             usage = end.usage
         else:
-            # No final report (the worker died): bill what was relayed.
+            # No final report (the worker died, or the wait for it ended): bill what was relayed.
             usage = call.delivered or Usage()
         if outcome is None:
             outcome = end.outcome if end is not None and end.outcome else Outcome.LOST
@@ -673,6 +682,15 @@ class OpenAIServing:
                     or time.monotonic() >= give_up
                 ):
                     return None
+
+
+def _end_in_hand(call: Call) -> ResponseChunk | None:
+    """The worker's final report if it is among the call's chunks already (no wait)."""
+    while not call.queue.empty():
+        chunk = call.queue.get_nowait()
+        if chunk.kind is ChunkKind.END:
+            return chunk
+    return None
 
 
 def _trace_ending(span: tracing.InferenceSpan, call: Call, ending: Ending) -> None:

@@ -503,20 +503,72 @@ async def test_a_worker_that_stops_heartbeating_ends_the_stream_with_one_event(
     assert [c.reason for c in published.cancels] == ["worker_lost"]
 
 
-async def test_a_chunk_out_of_order_is_a_lost_worker(open_router: OpenRouter) -> None:
+async def test_a_chunk_lost_on_the_way_ends_the_call_billed_from_the_final_report(
+    open_router: OpenRouter,
+) -> None:
+    """A gap in the chunks (one lost on the way) ends the call as a lost worker's
+    would; the worker, alive, answers the cancel with its engine's count, which
+    the router waits for and bills (not the nothing it relayed)."""
+
     async def skip_one(reply: Reply) -> None:
         await reply.start()
         await reply.send(ChunkKind.DATA, seq=2, data=ANSWER)
+        async with asyncio.timeout(10):
+            await reply.cancelled.wait()
+        await reply.end(Outcome.CANCELLED, Usage(prompt_tokens=5, completion_tokens=7))
 
     router = await open_router()
     await router.worker(skip_one)
     r = await router.post()
     assert r.status == 502
     assert (await r.json())["error"]["code"] == "worker_lost"
+    await router.until_ended()
 
     published = await router.close()
-    assert published.one_event().outcome is Outcome.WORKER_LOST
+    event = published.one_event()
+    assert (event.outcome, event.http_status) == (Outcome.WORKER_LOST, 502)
+    assert (event.prompt_tokens, event.completion_tokens) == (5, 7)
     assert [c.reason for c in published.cancels] == ["worker_lost"]
+
+
+async def test_a_final_report_that_shows_a_lost_chunk_is_billed_and_acknowledged(
+    open_router: OpenRouter, nats_server: NatsServer
+) -> None:
+    """The chunk lost on the way is the last before the final report: the report
+    in hand is the call's bill, and the worker hears that it was billed."""
+    acknowledged = asyncio.Event()
+    router = await open_router()
+    # the report goes as a worker sends it: a request from the worker's identity,
+    # whose inbox the router may answer
+    worker_nc = await nats_server.connect(Role.WORKER, "test-worker", router.subjects.prefix)
+
+    async def lose_the_data(reply: Reply) -> None:
+        reply.nc = worker_nc  # every chunk on the one connection, in order
+        await reply.start()
+        end = ResponseChunk(
+            request_id=reply.request.request_id,
+            seq=2,  # the DATA (1) never arrives
+            kind=ChunkKind.END,
+            outcome=Outcome.COMPLETED,
+            usage=Usage(prompt_tokens=5, completion_tokens=4),
+            finish_reason="stop",
+        )
+        await worker_nc.request(reply.request.reply_to, codec.encode(end), timeout=10)
+        acknowledged.set()
+
+    await router.worker(lose_the_data)
+    r = await router.post()
+    assert r.status == 502
+    assert (await r.json())["error"]["code"] == "worker_lost"
+    try:
+        async with asyncio.timeout(10):
+            await acknowledged.wait()
+    finally:
+        await worker_nc.close()
+
+    event = (await router.close()).one_event()
+    assert (event.outcome, event.http_status) == (Outcome.WORKER_LOST, 502)
+    assert (event.prompt_tokens, event.completion_tokens) == (5, 4)
 
 
 async def test_the_queue_timeout_is_a_503_with_retry_after_and_one_event(
