@@ -18,6 +18,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 
@@ -149,24 +150,33 @@ class _Reply:
         data = self._chunk(ChunkKind.END, **fields)
         # Sent again while nobody listens for a short while: after NATS comes
         # back, this worker may reconnect before the router has subscribed again.
+        # Time cut off from NATS does not count (until the request's deadline,
+        # when its router stops waiting): the report goes again once back.
         give_up = time.monotonic() + END_RESEND_FOR_S
-        while True:
+        while not self.nc.is_closed:
             reconnects = self.nc.stats["reconnects"]
-            try:
-                await self.nc.request(self.request.reply_to, data, timeout=END_ACK_TIMEOUT_S)
-                return Delivery.ACKNOWLEDGED
-            except NoRespondersError:
-                pass
-            except TimeoutError:
-                if self.nc.stats["reconnects"] == reconnects:
-                    break  # heard by nobody with the connection up all along
-            if self.nc.stats["reconnects"] != reconnects:
-                # cut off meanwhile: the router may be reconnecting too, so the
-                # wait for it to listen again starts now
+            if self.nc.is_connected:
+                try:
+                    await self.nc.request(self.request.reply_to, data, timeout=END_ACK_TIMEOUT_S)
+                    return Delivery.ACKNOWLEDGED
+                except NoRespondersError:
+                    pass
+                except TimeoutError:
+                    if self.nc.is_connected and self.nc.stats["reconnects"] == reconnects:
+                        break  # heard by nobody with the connection up all along
+                except NatsError as exc:  # not sent (the connection went meanwhile)
+                    log.warning("final report not sent: %s: %s", type(exc).__name__, exc)
+            cut_off = not self.nc.is_connected or self.nc.stats["reconnects"] != reconnects
+            if cut_off and time.time() < self.request.deadline:
+                # the router may be reconnecting too: the wait for it to listen
+                # again starts once this worker is back
                 give_up = time.monotonic() + END_RESEND_FOR_S
             if time.monotonic() >= give_up:
                 break
-            await asyncio.sleep(END_RESEND_EVERY_S)
+            await asyncio.sleep(END_RESEND_EVERY_S)  # a back-off between tries
+        if self.nc.is_closed:
+            log.error("final report lost: the connection to NATS is closed")
+            return Delivery.LOST
         kept = await keep_orphan(orphans, self.request.request_id, data, ORPHAN_RETRY_S)
         return Delivery.KEPT if kept else Delivery.LOST
 
@@ -284,7 +294,7 @@ class WorkerConsumer:
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel)
         self.state = WorkerState.READY
         await self._send_heartbeat()
-        self._tasks.append(asyncio.create_task(self._pull_loop(), name="pull"))
+        self._start_pulling()
         log.info(
             "worker ready",
             extra={
@@ -442,21 +452,35 @@ class WorkerConsumer:
         self._accept(claimed)
         return True
 
+    def _start_pulling(self) -> None:
+        task = asyncio.create_task(self._pull_loop(), name="pull")
+        self._tasks.append(task)
+        task.add_done_callback(self._pull_ended)
+
+    def _pull_ended(self, task: asyncio.Task[None]) -> None:
+        """A pull loop that failed is started again: the worker must not beat on idle."""
+        if task.cancelled() or self._stopping.is_set() or task.exception() is None:
+            return
+        log.error("the pull loop failed; starting it again", exc_info=task.exception())
+        self._tasks.remove(task)
+        asyncio.get_running_loop().call_later(1.0, self._start_pulling)
+
     async def _pull_loop(self) -> None:
         """Take a request whenever a slot is free (see :mod:`services.worker.claims`)."""
         sub = await subscribe_at_once(
             self.nc, self.subjects.arrivals(self.model_id), self._on_arrival
         )
         subscriptions = [sub]
-        if self.claims.fair:  # first come, first served claims by reading only
-            subscriptions.append(
-                await subscribe_at_once(
-                    self.nc, self.subjects.offer(self.model_id, self.worker_id), self._on_offer
-                )
-            )
-            await self.nc.flush()  # the server has the subscription before beats say so
-        self._takes_offers = self.claims.fair
         try:
+            if self.claims.fair:  # first come, first served claims by reading only
+                subscriptions.append(
+                    await subscribe_at_once(
+                        self.nc, self.subjects.offer(self.model_id, self.worker_id), self._on_offer
+                    )
+                )
+                # the server has the subscription before beats say so
+                await self._subscribed()
+            self._takes_offers = self.claims.fair
             await self._pull()
         finally:
             self._takes_offers = False
@@ -464,6 +488,17 @@ class WorkerConsumer:
                 with contextlib.suppress(Exception):
                     await subscription.unsubscribe()
         log.info("stopped taking requests")
+
+    async def _subscribed(self) -> None:
+        """Wait until the server has this connection's subscriptions, however long NATS
+        takes to answer (a flush that times out is tried again)."""
+        while not self._stopping.is_set():
+            try:
+                await self.nc.flush()
+                return
+            except NatsError as exc:
+                log.warning("NATS has not confirmed the subscriptions yet: %s", type(exc).__name__)
+                await asyncio.sleep(1.0)  # a back-off between tries
 
     async def _pull(self) -> None:
         while not self._stopping.is_set():
@@ -669,13 +704,22 @@ class WorkerConsumer:
             outcome = Outcome.CANCELLED
         except ClaimLost:
             raise
+        except NatsError as exc:
+            # A chunk could not be sent (NATS away long enough to fill the
+            # client's buffer, or the connection closed): the engine's work is
+            # stopped, and the final report below still tells what it generated.
+            log.warning("reply not sent: %s: %s", type(exc).__name__, exc)
+            outcome = Outcome.ERROR
         except Exception:
             log.exception("engine failure")
             outcome = Outcome.ERROR
             failure = error_json(
                 "The engine failed while serving the request.", "InternalServerError", code=500
             ).decode()
-            await reply.send(ChunkKind.ERROR, data=failure, status=500)
+            try:
+                await reply.send(ChunkKind.ERROR, data=failure, status=500)
+            except NatsError as exc:
+                log.warning("error response not sent: %s: %s", type(exc).__name__, exc)
         finally:
             self._generating.discard(this)
         # Nothing is counted or reported for a request claimed ahead until it

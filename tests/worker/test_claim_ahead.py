@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 import pytest
 from nats.aio.client import Client as NATS
+from nats.errors import FlushTimeoutError, OutboundBufferLimitError
 
 from services.router.dispatch import Call, Dispatcher
 from services.worker.consumer import WorkerConsumer
@@ -380,3 +381,107 @@ async def test_a_cancel_reaches_the_newer_attempt_once_the_older_one_stopped(rig
     assert rig.engine.cancelled == 2
     await rig.dispatcher.acknowledge_end(call)
     await until(lambda: rig.consumer.inflight == {})
+
+
+async def test_a_chunk_the_bus_refuses_still_ends_with_the_final_report(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NATS away long enough to fill the client's buffer: the answer cannot be sent,
+    and the final report still goes, with what the engine generated."""
+    real_publish = rig.consumer.nc.publish
+
+    async def refuse_the_answer(subject: str, payload: bytes = b"", **kw: Any) -> None:
+        # the answer, and an error response in its place, find the buffer full
+        if orjson.loads(payload).get("kind") in (ChunkKind.DATA.value, ChunkKind.ERROR.value):
+            raise OutboundBufferLimitError
+        await real_publish(subject, payload, **kw)
+
+    monkeypatch.setattr(rig.consumer.nc, "publish", refuse_the_answer)
+    request = rig.request("refused-1").model_copy(update={"compact_reply": False})
+    call = await rig.dispatcher.submit(request, worker_id="w-1", offer=True)
+    async with asyncio.timeout(10):
+        await rig.engine.started.wait()
+        rig.engine.release.set()
+        start = await call.queue.get()
+        end = await call.queue.get()
+    assert (start.kind, start.seq) == (ChunkKind.START, 0)
+    assert (end.kind, end.seq, end.outcome) == (ChunkKind.END, 2, Outcome.ERROR)  # 1 never left
+    assert end.usage == Usage(prompt_tokens=5, completion_tokens=2)
+    await rig.dispatcher.acknowledge_end(call)
+    async with asyncio.timeout(10):
+        while rig.consumer._reporting:  # noqa: ASYNC110 - the report's task ends on the ack
+            await asyncio.sleep(0.01)
+    assert rig.consumer.tokens_total == 7
+
+
+async def test_a_flush_that_fails_as_the_worker_turns_ready_is_tried_again(
+    rig: Rig, nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NATS slow to answer as a worker turns ready: its pull loop does not die
+    (the worker would beat on as ready and take nothing), it confirms its
+    subscriptions once NATS answers and takes requests."""
+    nc = await nats_server.connect(Role.WORKER, name="test-second-worker", prefix="ahead")
+    real_flush = nc.flush
+    flushes: list[float] = []
+
+    async def slow_at_first(timeout: float = 10) -> None:
+        flushes.append(time.monotonic())
+        if len(flushes) == 1:
+            raise FlushTimeoutError
+        await real_flush(timeout)
+
+    monkeypatch.setattr(nc, "flush", slow_at_first)
+    second = WorkerConsumer(
+        nc,
+        HeldEngine(),  # type: ignore[arg-type]
+        WorkerSettings(worker_id="w-2"),
+        SUBJECTS,
+        MODEL,
+        WorkerMetrics(),
+    )
+    pulling = asyncio.create_task(second._pull_loop())
+    try:
+        async with asyncio.timeout(10):
+            while second.claims._read_at == 0.0:  # noqa: ASYNC110 - set once it reads the queue
+                await asyncio.sleep(0.01)
+        assert len(flushes) == 2 and not pulling.done()
+        assert second._takes_offers
+    finally:
+        second._stopping.set()
+        await stop_tasks(pulling)
+        await nc.close()
+
+
+async def test_a_pull_loop_that_fails_is_started_again(
+    rig: Rig, nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nc = await nats_server.connect(Role.WORKER, name="test-second-worker", prefix="ahead")
+    second = WorkerConsumer(
+        nc,
+        HeldEngine(),  # type: ignore[arg-type]
+        WorkerSettings(worker_id="w-3"),
+        SUBJECTS,
+        MODEL,
+        WorkerMetrics(),
+    )
+    real_loop = second._pull_loop
+    runs: list[float] = []
+
+    async def fail_once() -> None:
+        runs.append(time.monotonic())
+        if len(runs) == 1:
+            raise RuntimeError("the pull loop's first run failed")
+        await real_loop()
+
+    monkeypatch.setattr(second, "_pull_loop", fail_once)
+    second._start_pulling()
+    try:
+        async with asyncio.timeout(10):
+            while second.claims._read_at == 0.0:  # noqa: ASYNC110 - set once it reads the queue
+                await asyncio.sleep(0.01)
+        assert len(runs) == 2
+        assert [t.get_name() for t in second._tasks] == ["pull"]  # the failed one is gone
+    finally:
+        second._stopping.set()
+        await stop_tasks(*second._tasks)
+        await nc.close()

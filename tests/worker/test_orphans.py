@@ -8,7 +8,8 @@ import time
 from typing import Any
 
 import pytest
-from nats.errors import NoRespondersError
+from nats.errors import NoRespondersError, OutboundBufferLimitError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from services.worker import consumer
 from services.worker.consumer import Delivery, _Reply, keep_orphan
@@ -55,15 +56,38 @@ async def test_a_report_nats_never_takes_is_given_up_after_the_retry_time() -> N
 
 
 class _Bus:
-    """A connection whose first requests find nobody listening (a router not yet back)."""
+    """A connection whose first requests find nobody listening (a router not yet back).
 
-    def __init__(self, unheard: int, cut_off_s: float = 0.0) -> None:
+    ``down_s``: NATS is away that long from the start (nats.py holds a request
+    made meanwhile and times it out; the reconnect counts once it is back).
+    ``refused``: the first requests the client refuses to send (its buffer full).
+    """
+
+    def __init__(
+        self, unheard: int, cut_off_s: float = 0.0, down_s: float = 0.0, refused: int = 0
+    ) -> None:
         self.unheard = unheard
         self.cut_off_s = cut_off_s  # the first request waits this long for a reconnect
+        self.back_at = time.monotonic() + down_s if down_s else None
+        self.refused = refused
         self.sent = 0
         self.stats = {"reconnects": 0}
+        self.is_closed = False
+
+    @property
+    def is_connected(self) -> bool:
+        if self.back_at is not None and time.monotonic() >= self.back_at:
+            self.back_at = None
+            self.stats["reconnects"] += 1
+        return self.back_at is None
 
     async def request(self, subject: str, data: bytes, timeout: float) -> None:
+        if not self.is_connected:  # held in the client's buffer until the ack's wait ends
+            await asyncio.sleep(timeout)
+            raise NatsTimeoutError
+        if self.refused:
+            self.refused -= 1
+            raise OutboundBufferLimitError
         self.sent += 1
         if self.sent == 1 and self.cut_off_s:
             await asyncio.sleep(self.cut_off_s)
@@ -124,3 +148,33 @@ async def test_a_report_sent_while_cut_off_is_sent_again_once_back(
     orphans = _FlakyOrphans(failures=0)
     assert await _reply(nc).end(orphans, outcome=Outcome.COMPLETED) is Delivery.ACKNOWLEDGED
     assert nc.sent == 2 and orphans.kept == {}
+
+
+async def test_a_report_made_while_nats_is_away_longer_than_the_ack_wait_goes_once_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NATS is away longer than the wait for an acknowledgement and the resends:
+    that time does not count, and the report goes to the router once both are back."""
+    monkeypatch.setattr(consumer, "END_ACK_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(consumer, "END_RESEND_FOR_S", 0.3)
+    nc = _Bus(unheard=1, down_s=1.0)  # back after 1 s, its router a moment later
+    orphans = _FlakyOrphans(failures=0)
+    assert await _reply(nc).end(orphans, outcome=Outcome.COMPLETED) is Delivery.ACKNOWLEDGED
+    assert nc.sent == 2 and orphans.kept == {}
+
+
+async def test_a_report_the_client_refuses_to_send_is_tried_again() -> None:
+    nc = _Bus(unheard=0, refused=2)
+    orphans = _FlakyOrphans(failures=0)
+    assert await _reply(nc).end(orphans, outcome=Outcome.COMPLETED) is Delivery.ACKNOWLEDGED
+    assert nc.sent == 1 and orphans.kept == {}
+
+
+async def test_a_report_on_a_closed_connection_is_lost_at_once() -> None:
+    nc = _Bus(unheard=0)
+    nc.is_closed = True
+    orphans = _FlakyOrphans(failures=0)
+    started = time.monotonic()
+    assert await _reply(nc).end(orphans, outcome=Outcome.COMPLETED) is Delivery.LOST
+    assert nc.sent == 0 and orphans.opened == []
+    assert time.monotonic() - started < 1.0  # not the orphans' two minutes of retries
