@@ -39,6 +39,7 @@ def open_store(settings: MeteringSettings, common: CommonSettings) -> UsageStore
         settings.database,
         settings.query_timeout_s,
         query_dsn=query_dsn,
+        query_max_memory_bytes=settings.query_max_memory_bytes,
         fault_file=settings.fault_file,
     ).open()
 

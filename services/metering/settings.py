@@ -49,6 +49,14 @@ class MeteringSettings(BaseSettings):
     )
     query_max_rows: int = Field(default=10_000, ge=1, description="Most rows a query returns.")
     query_timeout_s: float = Field(default=30.0, gt=0, description="max_execution_time of queries.")
+    query_max_memory_bytes: int = Field(
+        default=2 * 1024**3,
+        ge=1024**2,
+        description=(
+            "max_memory_usage of analysts' queries (where no query DSN's profile sets it): "
+            "on the embedded engine it is the metering service's own memory."
+        ),
+    )
     fault_file: Path | None = Field(
         default=None,
         description=(

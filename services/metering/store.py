@@ -128,12 +128,14 @@ class UsageStore:
         database: str,
         query_timeout_s: float = 30.0,
         query_dsn: str | None = None,
+        query_max_memory_bytes: int = 2 * 1024**3,
         fault_file: Path | None = None,
     ) -> None:
         self.dsn = dsn
         self.fault_file = fault_file  # fault injection (soak runs); None: off
         self.database = database
         self.query_timeout_s = query_timeout_s
+        self.query_max_memory_bytes = query_max_memory_bytes
         self.embedded = dsn.startswith("chdb:")
         # On a server, analysts' statements run as a user whose profile
         # (readonly = 1, its own limits, SELECT on the database only) the
@@ -413,7 +415,10 @@ class UsageStore:
 
         The statement is vetted first from ClickHouse's own parse of it
         (:mod:`services.metering.sqlguard`); a refusal or a ClickHouse error
-        comes back as the result's ``error``.
+        comes back as the result's ``error``. Its rows are read block by block
+        and no further than ``max_rows`` + 1: ClickHouse's own row limit does
+        not hold for every shape of statement (a UNION of an EXCEPT), and a
+        result held whole would be held in this process.
         """
         reader = self._reader
         if reader is None:
@@ -426,6 +431,7 @@ class UsageStore:
                 "max_result_rows": max_rows + 1,
                 "result_overflow_mode": "break",
                 "max_execution_time": self.query_timeout_s,
+                "max_memory_usage": self.query_max_memory_bytes,
             }
             if not self.embedded:
                 settings["readonly"] = 2
@@ -434,19 +440,24 @@ class UsageStore:
             raw = reader.raw_query(statement, parameters=values, settings=settings)
             return raw.decode(errors="replace")
 
+        rows: list[list[Any]] = []
         try:
             vet(sql, parameters, self.database, explain)
-            result = reader.query(sql, parameters=parameters, settings=settings)
+            with reader.query_row_block_stream(
+                sql, parameters=parameters, settings=settings
+            ) as stream:
+                columns = list(stream.source.column_names)
+                types = [t.name for t in stream.source.column_types]
+                for block in stream:
+                    rows.extend([_json_value(v) for v in row] for row in block)
+                    if len(rows) > max_rows:
+                        break  # the stream's end stops the query
         except RefusedQuery as exc:
             return QueryResult(error=str(exc))
         except (DatabaseError, OperationalError) as exc:
             return QueryResult(error=_clickhouse_message(exc))
-        rows = [[_json_value(v) for v in row] for row in result.result_rows]
         return QueryResult(
-            columns=list(result.column_names),
-            types=[t.name for t in result.column_types],
-            rows=rows[:max_rows],
-            truncated=len(rows) > max_rows,
+            columns=columns, types=types, rows=rows[:max_rows], truncated=len(rows) > max_rows
         )
 
 

@@ -7,6 +7,7 @@ import io
 import json
 import random
 import re
+import uuid
 from datetime import UTC, date, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -204,6 +205,49 @@ def test_queries_are_read_only(store: UsageStore) -> None:
     bad = store.query("SELEC nonsense", {}, 5)
     assert bad.error is not None and bad.error.startswith("ClickHouse error 62")
     assert "Traceback" not in bad.error
+
+
+def test_a_query_is_read_no_further_than_its_row_limit(
+    store: UsageStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ClickHouse's own row limit does not stop a UNION of an EXCEPT: the store
+    stops reading the result once it has one row more than the limit."""
+    reader = store._reader
+    assert reader is not None
+    opened = reader.query_row_block_stream
+    read: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        context = opened(*args, **kwargs)
+        blocks = context.gen
+
+        def counting() -> Any:
+            for block in blocks:
+                read.append(len(block))
+                yield block
+
+        context.gen = counting()
+        return context
+
+    monkeypatch.setattr(reader, "query_row_block_stream", counted)
+    sql = "(SELECT number FROM numbers(3000000)) UNION ALL SELECT 1 EXCEPT SELECT 2"
+    result = store.query(sql, {}, max_rows=10)
+    assert result.error is None, result.error
+    assert len(result.rows) == 10 and result.truncated
+    assert read and sum(read) < 3_000_000 and len(read) <= 2  # a block or two, not 46
+
+
+def test_a_query_is_held_to_the_memory_limit(chdb_dsn: str) -> None:
+    store = UsageStore(
+        chdb_dsn, f"t_{uuid.uuid4().hex[:12]}", query_max_memory_bytes=50 * 1024**2
+    ).open()
+    try:
+        result = store.query("SELECT length(groupArray(number)) FROM numbers(20000000)", {}, 10)
+        assert result.error is not None and result.error.startswith("ClickHouse error 241")
+        assert store.query("SELECT count() FROM numbers(1000)", {}, 10).rows == [[1000]]
+    finally:
+        store.writer.command(f"DROP DATABASE IF EXISTS {store.database}")
+        store.close()
 
 
 def test_usage_report_by_model_key_and_day(store: UsageStore) -> None:
