@@ -65,6 +65,7 @@ class Call:
         "started_at",
         "submitted_at",
         "token",
+        "withdrawal",
         "worker_id",
     )
 
@@ -95,6 +96,8 @@ class Call:
         # the router's NATS reconnects when it was queued: a worker that looks
         # lost after one may only have been out of this router's sight
         self.reconnects = 0
+        # whether the router took it back out of the queue (see Dispatcher.withdraw)
+        self.withdrawal: asyncio.Future[bool] | None = None
 
 
 class Dispatcher:
@@ -263,6 +266,7 @@ class Dispatcher:
         call.worker_id = None
         call.started_at = None
         call.seq = None
+        call.withdrawal = None
         await self._publish(call)
 
     async def _publish(self, call: Call) -> None:
@@ -332,7 +336,7 @@ class Dispatcher:
             return
         call.cancelled = True
         if call.worker_id is None and call.seq is not None:
-            await self._withdraw(call)
+            await self.withdraw(call)
         cancel = CancelRequest(request_id=call.request.request_id, reason=reason)
         try:
             await self.nc.publish(
@@ -341,18 +345,29 @@ class Dispatcher:
         except Exception as exc:
             log.warning("cancel not sent: %s: %s", type(exc).__name__, str(exc))
 
-    async def _withdraw(self, call: Call) -> None:
-        """Delete a request no worker has taken yet from the queue (best effort).
+    async def withdraw(self, call: Call) -> bool:
+        """Delete a request no worker has taken yet from the queue (best effort, once).
 
-        A worker that took it meanwhile gets the cancel message instead.
+        True when this router deleted it: no worker runs it. False when a
+        worker took it meanwhile (it gets the cancel message instead, and its
+        final report tells what it did), or when the queue could not say. A
+        second call has the first one's answer.
         """
+        if call.withdrawal is not None:
+            return await asyncio.shield(call.withdrawal)
+        call.withdrawal = asyncio.get_running_loop().create_future()
+        withdrawn = False
         request = orjson.dumps({"seq": call.seq, "no_erase": True})
         try:
-            await self.nc.request(
+            reply = await self.nc.request(
                 f"$JS.API.STREAM.MSG.DELETE.{self.subjects.infer_stream}", request, timeout=2
             )
+            withdrawn = bool(orjson.loads(reply.data).get("success"))
         except Exception as exc:
             log.debug("withdraw failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            call.withdrawal.set_result(withdrawn)
+        return withdrawn
 
     async def waiting(self, model: str, max_age_s: float = 0.5) -> int:
         """Requests of ``model`` waiting in the work queue, from every router.

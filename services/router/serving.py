@@ -590,6 +590,10 @@ class OpenAIServing:
                 end = await self._late_end(call)
             else:
                 end = _end_in_hand(call)
+        elif end is None and call.seq is not None and not await self.dispatcher.withdraw(call):
+            # A worker took it before its START reached this router (or the
+            # queue could not say): its report comes on the cancel.
+            end = await self._late_end(call)
         self.dispatcher.finish(call)
         if end is not None and end.usage is not None:
             usage = end.usage
@@ -670,6 +674,8 @@ class OpenAIServing:
                 async with asyncio.timeout(wait):
                     while True:
                         chunk = await call.queue.get()
+                        if call.worker_id is None and chunk.worker_id is not None:
+                            call.worker_id = chunk.worker_id  # its START came late
                         if chunk.kind is ChunkKind.END:
                             return chunk
             except TimeoutError:

@@ -431,6 +431,39 @@ async def test_a_worker_slow_to_answer_the_cancel_is_waited_for_while_it_beats(
     assert (event.prompt_tokens, event.completion_tokens) == (5, 9)
 
 
+async def test_a_client_gone_before_the_workers_start_arrived_is_billed_its_report(
+    open_router: OpenRouter,
+) -> None:
+    """A worker took the call but its START has not reached the router when the
+    client leaves: the router cannot take the request back out of the queue, so
+    it waits for the report the worker sends on the cancel and bills it."""
+    taken = asyncio.Event()
+
+    async def start_late(reply: Reply) -> None:
+        taken.set()
+        async with asyncio.timeout(10):
+            await reply.cancelled.wait()
+        await reply.send(
+            ChunkKind.END,
+            worker_id=reply.worker_id,
+            outcome=Outcome.CANCELLED,
+            usage=Usage(prompt_tokens=5, completion_tokens=0),
+        )
+
+    router = await open_router()
+    await router.worker(start_late)
+    r = await router.post(stream=True)
+    async with asyncio.timeout(10):
+        await taken.wait()
+    r.close()
+    await router.until_ended()
+
+    event = (await router.close()).one_event()
+    assert (event.outcome, event.http_status) == (Outcome.CLIENT_DISCONNECTED, 499)
+    assert (event.prompt_tokens, event.completion_tokens) == (5, 0)
+    assert event.worker_id is not None
+
+
 async def test_a_worker_lost_after_the_client_left_is_not_waited_for(
     open_router: OpenRouter,
 ) -> None:
