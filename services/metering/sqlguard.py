@@ -11,7 +11,9 @@ times for us, none of which executes anything the analyst wrote:
 2. ``EXPLAIN AST``: a ``SELECT`` (``WITH``, ``UNION`` and ``INTERSECT``
    included) with no ``SETTINGS``, ``FORMAT`` or ``INTO OUTFILE``, no table
    function outside a few generators, no table named in another database and
-   no function that reads outside the database (``file``, dictionaries...);
+   no function that reads outside the database (``file``, dictionaries...),
+   and no ``x IN db.table`` naming another database (step 3 would be too
+   late for one in a constant subquery, which analysis evaluates);
 3. ``EXPLAIN QUERY TREE`` (only once 2 passed, since analysis evaluates
    constant subqueries): every table the analyzer resolved, including
    ``x IN db.table``, is in Tollgate's database.
@@ -34,6 +36,11 @@ ALLOWED_TABLE_FUNCTIONS = frozenset(
 # Ordinary functions that reach outside Tollgate's tables.
 REFUSED_FUNCTIONS = frozenset(
     {"file", "catboostevaluate", "hascolumnintable", "joinget", "joingetornull", "getservers"}
+)
+# The operators whose right side may name a table (``x IN db.table``).
+_IN_FUNCTIONS = frozenset(
+    {"in", "notin", "globalin", "globalnotin", "nullin", "notnullin", "globalnullin"}
+    | {"globalnotnullin"}
 )
 # The one-row table a SELECT without FROM reads (the analyzer names it).
 _DUMMY_TABLES = frozenset({"system.one"})
@@ -120,6 +127,27 @@ def check_ast(dump: str, database: str) -> None:
                 )
         if node.kind == "TableIdentifier":
             _check_table(node.rest.split(" ", 1)[0], database)
+    for i, node in enumerate(nodes):
+        if node.kind == "Function" and node.rest.split(" ", 1)[0].lower() in _IN_FUNCTIONS:
+            right = _argument(nodes, i, 1)
+            if right is not None and right.kind == "Identifier":
+                _check_table(right.rest.split(" ", 1)[0], database)
+
+
+def _argument(nodes: list[_Node], at: int, index: int) -> _Node | None:
+    """Argument ``index`` of the function at ``nodes[at]`` (its ExpressionList's child)."""
+    depth = nodes[at].depth + 2
+    seen = -1
+    for node in nodes[at + 1 :]:
+        if node.depth < depth:
+            if node.depth <= nodes[at].depth:
+                break
+            continue
+        if node.depth == depth:
+            seen += 1
+            if seen == index:
+                return node
+    return None
 
 
 def check_query_tree(dump: str, database: str) -> None:

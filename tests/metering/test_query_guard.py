@@ -20,6 +20,17 @@ REFUSED = {
     "system_users": ("SELECT * FROM system.users", "system.users"),
     "system_in": ("SELECT 1 WHERE 'x' IN (SELECT name FROM system.users)", "system.users"),
     "system_in_table": ("SELECT count() FROM usage_events WHERE 0 IN system.zeros", "system.zeros"),
+    # A constant subquery is evaluated while the statement is analysed: its
+    # table must be refused before (else the error below tells a member apart).
+    "system_in_constant_subquery": (
+        "SELECT (SELECT throwIf(count() > 0, 'member')"
+        " WHERE 'alexey-milovidov' IN system.contributors)",
+        "system.contributors",
+    ),
+    "system_global_not_in": (
+        "SELECT 1 WHERE 'x' GLOBAL NOT IN `system`.`contributors`",
+        "system",
+    ),
     "information_schema": ("SELECT * FROM information_schema.tables", "information_schema"),
     "view": ("SELECT * FROM view(SELECT * FROM system.users)", "table function view()"),
     "settings": (
