@@ -420,6 +420,24 @@ def test_the_scalers_demand_history_query(store: UsageStore) -> None:
     assert sum(profile.loads["m/p"]) == pytest.approx(4.0 / 3)
 
 
+def test_a_block_of_captures_sent_again_is_dropped_at_once(store: UsageStore) -> None:
+    """Not left as duplicates until a merge: every table written from a stream
+    remembers its recent blocks, so the writer's retry token counts."""
+    now = datetime.now(UTC).timestamp()
+    block = [exchange_row("a", now), exchange_row("b", now)]
+    store.insert_json("exchanges", block, ("request_id",))
+    store.insert_json("exchanges", block, ("request_id",))
+    assert scalar(store, "SELECT count() FROM exchanges") == 2
+    remembering = {
+        name
+        for (name,) in store.writer.query(
+            "SELECT name FROM system.tables WHERE database = currentDatabase()"
+            " AND engine_full LIKE '%non_replicated_deduplication_window = 1000%'"
+        ).result_rows
+    }
+    assert {"exchanges", "replays", "budgets", "webhook_calls", "usage_events"} <= remembering
+
+
 def test_captured_exchanges_expire_after_the_retention(store: UsageStore) -> None:
     now = datetime.now(UTC).timestamp()
 
