@@ -400,6 +400,10 @@ class WorkerConsumer:
         elif task in self._generating:
             log.info("cancel", extra={"request_id": cancel.request_id, "reason": cancel.reason})
             task.cancel()
+        else:
+            # Its task has not run yet (the cancel was read in the same turn as
+            # the request), or it is reporting: the task looks here as it starts.
+            self._cancelled[cancel.request_id] = time.monotonic()
 
     async def _on_drain(self, msg: Msg) -> None:
         log.info("drain requested over NATS")
@@ -674,6 +678,9 @@ class WorkerConsumer:
         compact = request.compact_reply and not request.body.get("stream")
         body_on_end: str | None = None
         try:
+            if self._cancelled.pop(request.request_id, None) is not None:
+                log.info("cancelled before start", extra={"request_id": request.request_id})
+                raise asyncio.CancelledError  # ends as a cancel would: reported, nothing run
             if not compact:
                 await reply.send(ChunkKind.START)
             timeout = max(0.0, request.deadline - time.time())

@@ -8,6 +8,7 @@ so each test decides what the engine is doing when the claim's answer comes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -485,3 +486,28 @@ async def test_a_pull_loop_that_fails_is_started_again(
         second._stopping.set()
         await stop_tasks(*second._tasks)
         await nc.close()
+
+
+async def test_a_cancel_read_before_the_calls_task_first_runs_stops_it(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router's cancel is read in the same turn as the request (its client
+    left at once): the call's task has not run yet, and still nothing runs."""
+    real_accept = rig.consumer._accept
+
+    def accept_then_cancel(claimed: Any) -> None:
+        real_accept(claimed)
+        request = codec.decode(InferenceRequest, claimed.data)
+        cancel = CancelRequest(request_id=request.request_id, reason="client_disconnected")
+        handled = rig.consumer._on_cancel(SimpleNamespace(data=codec.encode(cancel)))  # type: ignore[arg-type]
+        with contextlib.suppress(StopIteration):  # it awaits nothing: done in this turn
+            handled.send(None)
+
+    monkeypatch.setattr(rig.consumer, "_accept", accept_then_cancel)
+    call = await rig.dispatcher.submit(rig.request("cancel-first"), worker_id="w-1", offer=True)
+    async with asyncio.timeout(10):
+        end = await call.queue.get()
+    assert (end.kind, end.outcome) == (ChunkKind.END, Outcome.CANCELLED)
+    assert end.usage == Usage()
+    await rig.dispatcher.acknowledge_end(call)
+    assert rig.engine.runs == 0
