@@ -39,8 +39,16 @@ REFUSED_FUNCTIONS = frozenset(
 )
 # The operators whose right side may name a table (``x IN db.table``).
 _IN_FUNCTIONS = frozenset(
-    {"in", "notin", "globalin", "globalnotin", "nullin", "notnullin", "globalnullin"}
-    | {"globalnotnullin"}
+    {
+        "in",
+        "notin",
+        "globalin",
+        "globalnotin",
+        "nullin",
+        "notnullin",
+        "globalnullin",
+        "globalnotnullin",
+    }
 )
 # The one-row table a SELECT without FROM reads (the analyzer names it).
 _DUMMY_TABLES = frozenset({"system.one"})

@@ -391,19 +391,17 @@ class WorkerConsumer:
             log.warning("malformed cancel message ignored")
             return
         task = self.inflight.get(cancel.request_id)
-        if task is None:
-            # Perhaps still in the queue (its client left while it waited):
-            # remember it, so that no worker runs it for nobody.
-            self._cancelled[cancel.request_id] = time.monotonic()
-            while len(self._cancelled) > _CANCELLED_KEPT:
-                del self._cancelled[next(iter(self._cancelled))]
-        elif task in self._generating:
+        if task is not None and task in self._generating:
             log.info("cancel", extra={"request_id": cancel.request_id, "reason": cancel.reason})
             task.cancel()
-        else:
-            # Its task has not run yet (the cancel was read in the same turn as
-            # the request), or it is reporting: the task looks here as it starts.
-            self._cancelled[cancel.request_id] = time.monotonic()
+            return
+        # Remembered, so that nothing runs it for nobody: perhaps still in the
+        # queue (its client left while it waited), or its task has not run yet
+        # (the cancel was read in the same turn as the request) and looks here
+        # as it starts; a task already reporting has nothing left to stop.
+        self._cancelled[cancel.request_id] = time.monotonic()
+        while len(self._cancelled) > _CANCELLED_KEPT:
+            del self._cancelled[next(iter(self._cancelled))]
 
     async def _on_drain(self, msg: Msg) -> None:
         log.info("drain requested over NATS")

@@ -104,6 +104,25 @@ class Rig:
         return float(self.consumer.metrics.claims.labels(MODEL, source)._value.get())  # type: ignore[union-attr]
 
 
+def held_consumer(nc: NATS, worker_id: str, engine: HeldEngine | None = None) -> WorkerConsumer:
+    """A worker's consumer of this model around a held engine."""
+    return WorkerConsumer(
+        nc,
+        engine or HeldEngine(),  # type: ignore[arg-type]
+        WorkerSettings(worker_id=worker_id),
+        SUBJECTS,
+        MODEL,
+        WorkerMetrics(),
+    )
+
+
+async def until_read(consumer: WorkerConsumer) -> None:
+    """Until the consumer's pull loop has read the queue (subscribed to its offers first)."""
+    async with asyncio.timeout(10):
+        while consumer.claims._read_at == 0.0:  # noqa: ASYNC110 - polls a time the consumer sets
+            await asyncio.sleep(0.01)
+
+
 @pytest.fixture
 async def rig(nats_server: NatsServer) -> AsyncIterator[Rig]:
     router = await nats_server.connect(Role.ROUTER, name="test-router", prefix="ahead")
@@ -112,19 +131,9 @@ async def rig(nats_server: NatsServer) -> AsyncIterator[Rig]:
     dispatcher = Dispatcher(router, Topology(SUBJECTS), "r1")
     await dispatcher.start([MODEL])
     engine = HeldEngine()
-    consumer = WorkerConsumer(
-        worker,
-        engine,  # type: ignore[arg-type]
-        WorkerSettings(worker_id="w-1"),
-        SUBJECTS,
-        MODEL,
-        WorkerMetrics(),
-    )
+    consumer = held_consumer(worker, "w-1", engine)
     pulling = asyncio.create_task(consumer._pull_loop())
-    async with asyncio.timeout(10):
-        # polls a time the consumer sets: subscribed to its offers, then read the queue
-        while consumer.claims._read_at == 0.0:  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
+    await until_read(consumer)
     yield Rig(router, dispatcher, consumer, engine, other)
     consumer._stopping.set()
     await stop_tasks(pulling, *consumer.inflight.values())
@@ -432,19 +441,10 @@ async def test_a_flush_that_fails_as_the_worker_turns_ready_is_tried_again(
         await real_flush(timeout)
 
     monkeypatch.setattr(nc, "flush", slow_at_first)
-    second = WorkerConsumer(
-        nc,
-        HeldEngine(),  # type: ignore[arg-type]
-        WorkerSettings(worker_id="w-2"),
-        SUBJECTS,
-        MODEL,
-        WorkerMetrics(),
-    )
+    second = held_consumer(nc, "w-2")
     pulling = asyncio.create_task(second._pull_loop())
     try:
-        async with asyncio.timeout(10):
-            while second.claims._read_at == 0.0:  # noqa: ASYNC110 - set once it reads the queue
-                await asyncio.sleep(0.01)
+        await until_read(second)
         assert len(flushes) == 2 and not pulling.done()
         assert second._takes_offers
     finally:
@@ -457,14 +457,7 @@ async def test_a_pull_loop_that_fails_is_started_again(
     rig: Rig, nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     nc = await nats_server.connect(Role.WORKER, name="test-second-worker", prefix="ahead")
-    second = WorkerConsumer(
-        nc,
-        HeldEngine(),  # type: ignore[arg-type]
-        WorkerSettings(worker_id="w-3"),
-        SUBJECTS,
-        MODEL,
-        WorkerMetrics(),
-    )
+    second = held_consumer(nc, "w-3")
     real_loop = second._pull_loop
     runs: list[float] = []
 
@@ -477,9 +470,7 @@ async def test_a_pull_loop_that_fails_is_started_again(
     monkeypatch.setattr(second, "_pull_loop", fail_once)
     second._start_pulling()
     try:
-        async with asyncio.timeout(10):
-            while second.claims._read_at == 0.0:  # noqa: ASYNC110 - set once it reads the queue
-                await asyncio.sleep(0.01)
+        await until_read(second)
         assert len(runs) == 2
         assert [t.get_name() for t in second._tasks] == ["pull"]  # the failed one is gone
     finally:
