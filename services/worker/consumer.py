@@ -66,6 +66,9 @@ _CANCELLED_KEPT = 10_000
 
 # How long the router that holds a call has to acknowledge its END chunk.
 END_ACK_TIMEOUT_S = 3.0
+# How long a drain waits for final reports at least, however long the
+# in-flight requests took.
+REPORTS_WAIT_S = END_ACK_TIMEOUT_S + 5
 # A final report nobody listens for is sent again every END_RESEND_EVERY_S for
 # END_RESEND_FOR_S before it is kept in the orphans bucket (the router waits at
 # least this long for a report after its client left: TOLLGATE_ROUTER_LATE_USAGE_WAIT_S).
@@ -306,9 +309,16 @@ class WorkerConsumer:
         )
 
     async def drain(self) -> None:
-        """Stop fetching, let in-flight requests finish (bounded), then stop beating."""
+        """Stop fetching, let in-flight requests finish (bounded), then stop beating.
+
+        The final reports still on their way are waited for as well, until
+        the drain's time (``drain_timeout_s``) is spent, and at least
+        :data:`REPORTS_WAIT_S`: a report retrying while NATS is away (a
+        restart as the worker is scaled down) is how its call is billed.
+        """
         if self.state is WorkerState.DRAINING:
             return
+        give_up = time.monotonic() + self.settings.drain_timeout_s
         self.state = WorkerState.DRAINING
         self._stopping.set()
         await self._send_heartbeat()
@@ -327,7 +337,10 @@ class WorkerConsumer:
             if pending:
                 await asyncio.wait(pending, timeout=5)
         if self._reporting:
-            await asyncio.wait(list(self._reporting), timeout=END_ACK_TIMEOUT_S + 5)
+            wait = max(REPORTS_WAIT_S, give_up - time.monotonic())
+            _, unsent = await asyncio.wait(list(self._reporting), timeout=wait)
+            if unsent:
+                log.error("stopping with %d final report(s) unsent", len(unsent))
         self.drained.set()
         for task in self._tasks:
             task.cancel()

@@ -19,7 +19,9 @@ class WorkerSettings(BaseSettings):
     worker_id: str = Field(default_factory=_default_worker_id, description="Unique worker id.")
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60, description="Heartbeat period.")
     drain_timeout_s: float = Field(
-        default=120.0, gt=0, description="How long SIGTERM waits for in-flight requests."
+        default=120.0,
+        gt=0,
+        description="How long SIGTERM waits for in-flight requests and their final reports.",
     )
     fair_share: bool = Field(
         default=True,

@@ -22,6 +22,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import FlushTimeoutError, OutboundBufferLimitError
 
 from services.router.dispatch import Call, Dispatcher
+from services.worker import consumer as consumer_module
 from services.worker.consumer import WorkerConsumer
 from services.worker.engine import EngineStats, FullResult
 from services.worker.metrics import WorkerMetrics
@@ -290,6 +291,22 @@ async def test_an_offer_read_while_draining_is_not_started(rig: Rig) -> None:
         timeout=5,
     )
     assert orjson.loads(answer.data)["success"]
+
+
+async def test_a_drain_waits_for_final_reports_within_its_own_time(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A final report still retrying (NATS restarting as the worker is scaled down)
+    outlasts the least wait for reports: the drain waits for it, within drain_timeout_s."""
+    monkeypatch.setattr(consumer_module, "REPORTS_WAIT_S", 0.1)
+    rig.consumer.settings.drain_timeout_s = 10
+    # stands in for a report whose retries end once NATS is back, a second from now
+    retrying = asyncio.create_task(asyncio.sleep(1.0))
+    rig.consumer._reporting.add(retrying)
+    retrying.add_done_callback(rig.consumer._reporting.discard)
+    await rig.consumer.drain()
+    assert retrying.done() and not retrying.cancelled()
+    assert rig.consumer.drained.is_set()
 
 
 async def until(condition: Any, seconds: float = 10.0) -> None:
