@@ -45,7 +45,10 @@ class MeteringSettings(BaseSettings):
     )
     retry_max_s: float = Field(default=10.0, gt=0, description="Longest back-off between retries.")
     rollup_check_days: int = Field(
-        default=2, ge=0, description="At start, check (and rebuild) the rollups of this many days."
+        default=2,
+        ge=0,
+        description="At start, check (and rebuild) the rollups of this many days, and of the "
+        "days of the rows ingested in them.",
     )
     query_max_rows: int = Field(default=10_000, ge=1, description="Most rows a query returns.")
     query_timeout_s: float = Field(default=30.0, gt=0, description="max_execution_time of queries.")

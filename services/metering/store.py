@@ -267,26 +267,36 @@ class UsageStore:
         return len(rows)
 
     def repair_rollups(self, days: int) -> list[date]:
-        """Rebuild the rollups of any of the last ``days`` days that disagree with the raw rows.
+        """Rebuild the rollups of the days that disagree with the raw rows.
 
         Only a crash between an insert's raw write and its rollup writes can
-        cause a gap, so this runs at start, before any new insert.
+        cause a gap, so this runs at start, before any new insert. It checks
+        the last ``days`` days, and every day of the rows ingested in them:
+        a backlog (metering down for a weekend, a router's outbox replayed
+        after a long outage) brings rows of older days, and a crash while
+        ingesting it leaves those days short.
         """
-        since = {"since": (datetime.now(UTC) - timedelta(days=days)).date()}
+        since = datetime.now(UTC) - timedelta(days=days)
+        parameters = {"since": since.date(), "since_ts": since}
+        touched = (
+            "(SELECT DISTINCT toDate(time) FROM usage_events"
+            " WHERE ingested_at >= {since_ts:DateTime64(3)})"
+        )
         bad: set[date] = set()
         for table, day_expr in (("usage_daily", "day"), ("usage_hourly", "toDate(hour)")):
             rows = self.writer.query(
                 "SELECT DISTINCT day FROM"
                 " (SELECT toDate(time) AS day, tenant, model, count() AS raw"
-                "  FROM usage_events FINAL WHERE toDate(time) >= {since:Date}"
+                "  FROM usage_events FINAL"
+                f"  WHERE toDate(time) >= {{since:Date}} OR toDate(time) IN {touched}"
                 "  GROUP BY day, tenant, model) AS r"
                 " FULL OUTER JOIN"
                 f" (SELECT {day_expr} AS day, tenant, model, sum(requests) AS rolled"
-                f"  FROM {table} WHERE {day_expr} >= {{since:Date}}"
+                f"  FROM {table} WHERE {day_expr} >= {{since:Date}} OR {day_expr} IN {touched}"
                 "  GROUP BY day, tenant, model) AS d"
                 " USING (day, tenant, model)"
                 " WHERE raw != rolled",
-                parameters=since,
+                parameters=parameters,
             ).result_rows
             bad.update(row[0] for row in rows)
         for day in sorted(bad):

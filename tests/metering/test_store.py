@@ -398,6 +398,37 @@ def test_rollups_left_short_are_rebuilt_from_the_raw_rows(store: UsageStore) -> 
     assert store.repair_rollups(days=3) == []  # repaired, and a second pass changes nothing
 
 
+def test_rollups_of_an_old_day_ingested_lately_are_checked(store: UsageStore) -> None:
+    """A backlog (metering down for days) brings rows of an old day; a crash while
+    ingesting it leaves that day short, and the check at start finds it."""
+    now = datetime.now(UTC).timestamp()
+    backlog = [event(i, time=now - 9 * 86400 - i, request_id=f"late-{i}") for i in range(20)]
+    store.insert(backlog)
+    old_day = datetime.fromtimestamp(now - 9 * 86400, UTC).date()
+    for table, column in (("usage_hourly", "toDate(hour)"), ("usage_daily", "day")):
+        store.writer.command(
+            f"ALTER TABLE {table} DELETE WHERE {column} = {{d:Date}}",
+            parameters={"d": old_day},
+            settings={"mutations_sync": 2},
+        )
+    assert store.repair_rollups(days=2) == [old_day]
+    assert scalar(
+        store, f"SELECT sum(requests) FROM usage_daily WHERE day = '{old_day.isoformat()}'"
+    ) == len(backlog)
+    # rows ingested before the window are not read again
+    store.writer.command(
+        "ALTER TABLE usage_events UPDATE ingested_at = ingested_at - INTERVAL 5 DAY"
+        " WHERE startsWith(request_id, 'late-')",
+        settings={"mutations_sync": 2},
+    )
+    store.writer.command(
+        "ALTER TABLE usage_daily DELETE WHERE day = {d:Date}",
+        parameters={"d": old_day},
+        settings={"mutations_sync": 2},
+    )
+    assert store.repair_rollups(days=2) == []
+
+
 def test_the_scalers_demand_history_query(store: UsageStore) -> None:
     """The scaler's hour-of-week profile, from the SQL it asks the metering service to run."""
     from services.scaler.profile import HISTORY_SQL, WEEK_S, DemandProfile, hour_of_week
