@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 from aiohttp import web
 
@@ -31,11 +30,12 @@ from services.router.errors import (
     TollgateError,
     error_response,
 )
-from services.router.limits import Limiter, Reservation
+from services.router.limits import Limiter
 from services.router.metrics import RouterMetrics
 from services.router.openapi import router_api
 from services.router.serving import OpenAIServing
 from services.router.settings import RouterSettings
+from services.router.settlement import Settler
 from services.router.usage import LostCalls, Outbox, UsagePublisher
 from tollgate.models.catalog import Catalog
 from tollgate.runtime.openapi import add_openapi_route, build_document
@@ -109,20 +109,19 @@ def create_app(
         usage = UsagePublisher(js, common.subjects, outbox)
         await usage.start()
         limiter = await Limiter.open(js, topology)
-
-        async def settle_lost(held: dict[str, Any], tokens: int, prompt_tokens: int) -> None:
-            await limiter.settle(Reservation.from_held(held), tokens, prompt_tokens)
-
-        # calls an earlier run on this outbox accepted and never finished (it was killed)
+        # settlements an earlier run on this outbox left unmade, then the calls
+        # it accepted and never finished (it was killed)
+        settler = Settler(limiter, usage)
+        settler.start()
         lost = LostCalls(
-            usage, outbox.opened(), lambda: topology.bucket(js, topology.orphans), settle_lost
+            usage, outbox.opened(), lambda: topology.bucket(js, topology.orphans), settler
         )
         lost.start()
         capturer = Capturer(
             js, common.subjects, settings.capture_tenants, settings.capture_max_bytes
         )
         serving = OpenAIServing(
-            catalog, dispatcher, workers, settings, limiter, usage, metrics, capturer
+            catalog, dispatcher, workers, settings, limiter, usage, metrics, capturer, settler
         )
         app[SERVING] = serving
         keys = KeyMirror(
@@ -139,6 +138,7 @@ def create_app(
         await serving.drain()
         await capturer.drain()
         await lost.stop()
+        await settler.stop()
         await usage.flush()
         await limiter.close()
         await keys.stop()

@@ -33,7 +33,10 @@ Tokens are reserved before dispatch at the worst case (the endpoint's
 an upper bound of every prompt plus the completion limit for each prompt and
 each of its ``n`` choices) and settled to the engine's count after, so an
 overshoot is bounded by the reservations in flight, never by how many
-requests raced.
+requests raced. A settlement is a list of counter writes
+(:meth:`Limiter.plan`), each idempotent when made with the call's id
+(:meth:`Limiter.apply`), which :mod:`services.router.settlement` journals and
+makes exactly once.
 """
 
 from __future__ import annotations
@@ -44,11 +47,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from nats.errors import NoRespondersError
 from nats.js.errors import (
+    APIError,
     BucketNotFoundError,
+    KeyDeletedError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NoStreamResponseError,
@@ -62,6 +67,24 @@ from tollgate.models.catalog import Price
 from tollgate.wire.topology import Topology
 
 log = logging.getLogger("tollgate.router.limits")
+
+
+RATES = "rates"  # the ratelimits bucket: per-minute windows and calls in flight
+BUDGETS = "budgets"  # the budgets bucket: token and money budgets
+
+
+class Change(NamedTuple):
+    """One counter write of a settlement: ``amount`` added to ``counter`` (floor zero)."""
+
+    store: str  # RATES or BUDGETS
+    counter: str
+    amount: int
+
+
+def journaled(changes: list[Change]) -> list[Change]:
+    """The writes of a settlement that are journaled and made until they are made:
+    the budgets' (:mod:`services.router.settlement` says why not the rate limits')."""
+    return [change for change in changes if change.store == BUDGETS]
 
 
 @dataclass
@@ -82,6 +105,9 @@ class Reservation:
     money_keys: list[str] = field(default_factory=list)
     price: Price | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    # taken by this run of this router, which keeps its units in flight alive;
+    # one rebuilt from an outbox (a lost call's) is not
+    live: bool = field(default=True, compare=False)
 
     @property
     def budget(self) -> bool:
@@ -118,6 +144,7 @@ class Reservation:
             nanos=int(held.get("nanos") or 0),
             money_keys=names("money_keys", "money_key"),
             price=None if price is None else Price.model_validate(price),
+            live=False,
         )
 
 
@@ -184,6 +211,8 @@ class ConcurrencyLimited(RateLimited):
 # What the bus answers when a bucket's stream is gone: a NATS restart loses a
 # bucket kept in memory (the per-minute rate counters).
 _BUCKET_GONE = (NoStreamResponseError, NoRespondersError, BucketNotFoundError, NotFoundError)
+# nats-server's error codes for a write whose expected revision is not the last
+_WRONG_LAST_SEQUENCE = (10071, 10164)
 
 
 class CounterStore:
@@ -199,7 +228,12 @@ class CounterStore:
         self._seen: dict[str, tuple[int, int]] = {}  # key -> (value, revision)
 
     async def add(
-        self, key: str, amount: int, limit: int | None = None, floor: int | None = None
+        self,
+        key: str,
+        amount: int,
+        limit: int | None = None,
+        floor: int | None = None,
+        write_id: str | None = None,
     ) -> tuple[bool, int]:
         """Add ``amount`` unless the result would pass ``limit``; (done, value after).
 
@@ -207,28 +241,44 @@ class CounterStore:
         counter holds (it expired, or NATS restarted, since the units were
         taken) leaves it at ``floor``, and writes nothing when it is there.
         Adding 0 rewrites the counter as it is, which renews its expiry.
+
+        ``write_id`` makes the addition idempotent: the write carries it as
+        its ``Nats-Msg-Id``, so adding again with the same id, after a failure
+        that may have hidden a write that landed, adds nothing more as long
+        as the first write is inside the bucket's duplicate window (two
+        minutes). The stream checks the expected revision first and the id
+        second, so a retry that meets a changed counter reads it, tries
+        again, and is then dropped as the duplicate it is.
         """
         try:
-            return await self._add(key, amount, limit, floor)
+            return await self._add(key, amount, limit, floor, write_id)
         except _BUCKET_GONE:
             if self.reopen is None:
                 raise
         log.warning("counter bucket gone (NATS restarted?); creating it again")
         self.kv = await self.reopen()
         self._seen.clear()
-        return await self._add(key, amount, limit, floor)
+        return await self._add(key, amount, limit, floor, write_id)
 
     async def _read(self, key: str) -> tuple[int, int]:
         try:
             entry = await self.kv.get(key)
         except KeyNotFoundError:
             return 0, 0
+        except KeyDeletedError as exc:  # a delete marker: the next write goes over it
+            marker = getattr(exc, "entry", None)
+            return 0, int(marker.revision) if marker is not None and marker.revision else 0
         value = int(entry.value or b"0")
         self._seen[key] = (value, entry.revision)
         return value, entry.revision
 
     async def _add(
-        self, key: str, amount: int, limit: int | None, floor: int | None = None
+        self,
+        key: str,
+        amount: int,
+        limit: int | None,
+        floor: int | None = None,
+        write_id: str | None = None,
     ) -> tuple[bool, int]:
         value, revision = self._seen.get(key) or await self._read(key)
         for _ in range(100):
@@ -243,7 +293,12 @@ class CounterStore:
                 value, revision = fresh, fresh_revision
                 continue
             try:
-                if revision == 0:
+                if write_id is not None:
+                    written, revision = await self._write_once(key, new, revision, write_id)
+                    if not written:  # an earlier try landed: the counter already has it
+                        self._seen.pop(key, None)
+                        return True, new
+                elif revision == 0:
                     revision = await self.kv.create(key, str(new).encode())
                 else:
                     revision = await self.kv.update(key, str(new).encode(), last=revision)
@@ -253,6 +308,29 @@ class CounterStore:
             self._seen[key] = (new, revision)
             return True, new
         raise RuntimeError(f"counter {key} kept changing under us")
+
+    async def _write_once(
+        self, key: str, value: int, revision: int, write_id: str
+    ) -> tuple[bool, int]:
+        """Write ``value`` over ``revision`` with ``write_id``: (stored, its revision).
+
+        nats.py's ``KeyValue.update`` sends no headers of ours, so this is
+        its publish with the message id added (``_js`` and ``_pre`` are the
+        bucket handle's JetStream context and subject prefix).
+        """
+        headers = {
+            "Nats-Expected-Last-Subject-Sequence": str(revision),
+            "Nats-Msg-Id": write_id,
+        }
+        try:
+            ack = await self.kv._js.publish(
+                f"{self.kv._pre}{key}", str(value).encode(), headers=headers
+            )
+        except APIError as exc:
+            if exc.err_code in _WRONG_LAST_SEQUENCE:
+                raise KeyWrongLastSequenceError(description=exc.description) from None
+            raise
+        return not ack.duplicate, int(ack.seq)
 
 
 class Limiter:
@@ -410,57 +488,89 @@ class Limiter:
                 headers={**held.headers, "Retry-After": reset},
             )
 
-    async def settle(
+    def plan(
         self, held: Reservation, actual_tokens: int, prompt_tokens: int | None = None
-    ) -> None:
-        """Replace the reservation by the real count (never raises).
+    ) -> list[Change]:
+        """The counter writes that replace the reservation by the real count.
 
-        ``prompt_tokens`` (of ``actual_tokens``) prices a budget in money
-        exactly; without it, every token is priced at the dearer kind.
-        A count below zero cannot come from an engine (the usage contract
-        refuses it); should one arrive, it settles as zero, so a ledger is
-        never given back more than was reserved.
+        It gives back the call's units in flight (once: a second plan of the
+        same reservation has none left to give) and moves each token and
+        money counter by the difference between the count and what was
+        reserved; the reservation then holds the real count, so planning it
+        again plans nothing more. ``prompt_tokens`` (of ``actual_tokens``)
+        prices a budget in money exactly; without it, every token is priced
+        at the dearer kind. A count below zero cannot come from an engine
+        (the usage contract refuses it); should one arrive, it settles as
+        zero, so a ledger is never given back more than was reserved.
         """
         if actual_tokens < 0:
             log.error("negative token count %d settled as 0", actual_tokens)
             actual_tokens = 0
         delta = actual_tokens - held.tokens
-        await self.release(held)
-        changes = [(self.rates, key, delta) for key in held.tpm_keys]
-        changes += [(self.budgets, key, delta) for key in held.budget_keys]
+        released, held.concurrency_keys = held.concurrency_keys, []
+        if held.live:
+            for key in released:
+                self._unhold(key)
+        changes = [Change(RATES, key, -1) for key in released]
+        changes += [Change(RATES, key, delta) for key in held.tpm_keys]
+        changes += [Change(BUDGETS, key, delta) for key in held.budget_keys]
         if held.price is not None and held.money_keys:
             if prompt_tokens is not None and 0 <= prompt_tokens <= actual_tokens:
                 nanos = held.price.cost_nanos(prompt_tokens, actual_tokens - prompt_tokens)
             else:
                 nanos = held.price.worst_nanos(actual_tokens)
-            changes += [(self.budgets, key, nanos - held.nanos) for key in held.money_keys]
+            changes += [Change(BUDGETS, key, nanos - held.nanos) for key in held.money_keys]
             held.nanos = nanos
-        for store, key, change in changes:
-            if not change:
-                continue
-            try:
-                await store.add(key, change, floor=0)
-            except Exception as exc:
-                log.error("settling a reservation failed: %s: %s", type(exc).__name__, str(exc))
-                log.debug("settling a reservation failed", exc_info=True)
         held.tokens = actual_tokens
+        return [change for change in changes if change.amount]
+
+    async def apply(self, changes: list[Change], call_id: str | None = None) -> list[Change]:
+        """Make the writes of :meth:`plan`; the ones that failed (never raises).
+
+        With ``call_id`` each write is idempotent (its id: the call's and the
+        counter's; see :meth:`CounterStore.add`), so a failed one can be made
+        again (:mod:`services.router.settlement`): if it landed after all, it
+        is not counted twice. No counter goes below zero.
+        """
+        stores = {RATES: self.rates, BUDGETS: self.budgets}
+        failed = []
+        for change in changes:
+            store = stores[change.store]
+            write_id = None if call_id is None else f"{call_id}.{change.counter}"
+            try:
+                await store.add(change.counter, change.amount, floor=0, write_id=write_id)
+            except Exception as exc:
+                log.error(
+                    "settling a reservation failed: %s: %s",
+                    type(exc).__name__,
+                    str(exc),
+                    extra={"request_id": call_id, "counter": change.counter},
+                )
+                log.debug("settling a reservation failed", exc_info=True)
+                failed.append(change)
+        return failed
+
+    async def settle(
+        self,
+        held: Reservation,
+        actual_tokens: int,
+        prompt_tokens: int | None = None,
+        call_id: str | None = None,
+    ) -> list[Change]:
+        """Replace the reservation by the real count: :meth:`plan`, then :meth:`apply`."""
+        return await self.apply(self.plan(held, actual_tokens, prompt_tokens), call_id)
 
     async def release(self, held: Reservation) -> None:
         """Give back the reservation's calls in flight (key's and tenant's), once (never raises).
 
-        :meth:`settle` calls it; a second call, or a settle after it, gives
-        back nothing more. A counter never goes below zero.
+        A second call, or a settle after it, gives back nothing more. A
+        counter never goes below zero.
         """
         keys, held.concurrency_keys = held.concurrency_keys, []
-        for key in keys:
-            self._unhold(key)
-            try:
-                await self.rates.add(key, -1, floor=0)
-            except Exception as exc:
-                log.error(
-                    "giving back a call in flight failed: %s: %s", type(exc).__name__, str(exc)
-                )
-                log.debug("giving back a call in flight failed", exc_info=True)
+        if held.live:
+            for key in keys:
+                self._unhold(key)
+        await self.apply([Change(RATES, key, -1) for key in keys])
 
     def _hold(self, key: str) -> None:
         self._holding[key] = self._holding.get(key, 0) + 1
@@ -469,7 +579,6 @@ class Limiter:
             self._keeper = asyncio.create_task(self._keep_counters())
 
     def _unhold(self, key: str) -> None:
-        # A reservation another run of this router took (a lost call) is not ours.
         if key not in self._holding:
             return
         self._holding[key] -= 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +28,12 @@ from services.router.errors import (
     WorkerLost,
 )
 from services.router.lifecycle import KEEPALIVE, CallLife, Ending, Keepalive
-from services.router.limits import Limiter
+from services.router.limits import Change, Limiter, journaled
 from services.router.metrics import RouterMetrics
 from services.router.overload import DrainMeter, hold_until
 from services.router.protocol import normalise
 from services.router.settings import RouterSettings
+from services.router.settlement import Settler
 from services.router.usage import UsagePublisher
 from tollgate.models.catalog import AdapterEntry, Catalog, ModelEntry, Target
 from tollgate.runtime import tracing
@@ -136,13 +137,17 @@ class OpenAIServing:
         usage: UsagePublisher | None = None,
         metrics: RouterMetrics | None = None,
         capturer: Capturer | None = None,
+        settler: Settler | None = None,
     ) -> None:
         self.catalog = catalog
         self.capturer = capturer
         self.dispatcher = dispatcher
         self.workers = workers
         self.settings = settings
+        if limiter is not None and settler is None:
+            raise ValueError("a limiter's reservations need a settler")
         self.limiter = limiter
+        self.settler = settler
         self.usage = usage
         self.metrics = metrics
         self._finishing: set[asyncio.Task[None]] = set()
@@ -253,8 +258,9 @@ class OpenAIServing:
         try:
             call = await self._dispatch(prepared, request_id, principal, priority, session)
         except BaseException as exc:
-            if reservation is not None and self.limiter is not None:
-                await self.limiter.settle(reservation, 0)
+            settlement: list[Change] = []
+            if reservation is not None and self.settler is not None:
+                settlement = self.settler.plan(reservation, 0)
             if isinstance(exc, ServiceUnavailable):
                 # Accepted but never queued: a zero-token row, so analysts see it.
                 self._record(
@@ -271,8 +277,11 @@ class OpenAIServing:
                         endpoint=prepared.endpoint.value,
                         total_s=0.0,
                         http_status=exc.status,
-                    )
+                    ),
+                    settlement=journaled(settlement),
                 )
+            if self.settler is not None:
+                await self.settler.settle(request_id, settlement)
             raise
         call.reservation = reservation
         if self.usage is not None:
@@ -626,17 +635,27 @@ class OpenAIServing:
         )
         if call.started_at is not None:
             self.drain_meter.served(request.model, now - call.started_at)
-        # The event first: settling waits on the bus, and a shutdown that cuts
-        # this task short must not cost the usage event. Only once it is in
-        # the outbox does the worker hear that its final report is billed.
-        self._record(event, budget=call.reservation is not None and call.reservation.budget)
+        # The event first, with what settles the reservation: settling waits on
+        # the bus, and a shutdown that cuts this task short must cost neither.
+        # Only once the event is in the outbox does the worker hear that its
+        # final report is billed.
+        settlement: list[Change] = []
+        if call.reservation is not None and self.settler is not None:
+            settlement = self.settler.plan(
+                call.reservation, usage.total_tokens, usage.prompt_tokens
+            )
+        self._record(
+            event,
+            budget=call.reservation is not None and call.reservation.budget,
+            settlement=journaled(settlement),
+        )
         await self.dispatcher.acknowledge_end(call)
         if call.captured is not None and self.capturer is not None:
             self.capturer.emit(
                 event, prepared.endpoint, prepared.body, call.captured, event.finish_reason
             )
-        if call.reservation is not None and self.limiter is not None:
-            await self.limiter.settle(call.reservation, usage.total_tokens, usage.prompt_tokens)
+        if self.settler is not None:
+            await self.settler.settle(request.request_id, settlement)
         log.info(
             "request done",
             extra={
@@ -645,9 +664,11 @@ class OpenAIServing:
             },
         )
 
-    def _record(self, event: UsageEvent, budget: bool = False) -> None:
+    def _record(
+        self, event: UsageEvent, budget: bool = False, settlement: Sequence[Change] = ()
+    ) -> None:
         if self.usage is not None:
-            self.usage.emit(event, budget)
+            self.usage.emit(event, budget, settlement)
         if self.metrics is not None:
             self.metrics.ended(event)
 

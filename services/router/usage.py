@@ -5,10 +5,11 @@ under ``var/``), then published to the usage stream with ``Nats-Msg-Id`` =
 request id, and removed from the outbox once the stream acknowledged it:
 removals wait to ride in the next event's transaction (or, when no event
 comes, a batch a moment later), so a call costs the outbox two commits, not
-three. An event acknowledged but not yet removed when the router dies is
-published again by its next run: the stream drops the copy within its
-duplicate window (10 minutes), and metering drops copies by request id at
-any time.
+three (a call that held a budget, a third: its settlement's removal,
+:mod:`services.router.settlement`). An event acknowledged but not yet
+removed when the router dies is published again by its next run: the
+stream drops the copy within its duplicate window (10 minutes), and
+metering drops copies by request id at any time.
 Events that could not be published (NATS down) are retried in order, and a
 router that restarts replays what its outbox still holds: a NATS outage
 delays usage events, it never drops them. A duplicate publish is dropped by
@@ -33,13 +34,13 @@ import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 
-from services.router.limits import Reservation
+from services.router.limits import Change, Reservation, journaled
 from tollgate.wire import codec
 from tollgate.wire.contracts import (
     ChunkKind,
@@ -51,6 +52,9 @@ from tollgate.wire.contracts import (
 )
 from tollgate.wire.subjects import Subjects
 from tollgate.wire.topology import Role, Topology
+
+if TYPE_CHECKING:
+    from services.router.settlement import Settler
 
 log = logging.getLogger("tollgate.router.usage")
 
@@ -83,6 +87,12 @@ class Outbox:
             "CREATE TABLE IF NOT EXISTS open_calls"
             " (request_id TEXT PRIMARY KEY, data BLOB NOT NULL) WITHOUT ROWID"
         )
+        # a call's counter writes that replace its reservation by its count,
+        # from its event's transaction until every one of them is made
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS settlements"
+            " (request_id TEXT PRIMARY KEY, data BLOB NOT NULL) WITHOUT ROWID"
+        )
 
     def open(self, request_id: str, record: dict[str, Any]) -> None:
         """A call was queued: what its event will need, should this process die first."""
@@ -100,12 +110,20 @@ class Outbox:
         return [(rid, orjson.loads(data)) for rid, data in rows.fetchall()]
 
     def add(
-        self, request_id: str, subject: str, data: bytes, published: Sequence[str] = ()
+        self,
+        request_id: str,
+        subject: str,
+        data: bytes,
+        published: Sequence[str] = (),
+        settlement: Sequence[Change] = (),
+        settled: Sequence[str] = (),
     ) -> None:
         """Journal the call's event; it replaces the call's open record (one transaction).
 
-        ``published``: events the stream has acknowledged, removed in the same
-        transaction.
+        ``settlement``: the counter writes that settle the call's reservation,
+        kept until :meth:`remove` is told they are made. ``published``: events
+        the stream has acknowledged; ``settled``: calls whose settlement is
+        made; both removed in the same transaction.
         """
         with self._transaction():
             self.db.execute(
@@ -113,14 +131,33 @@ class Outbox:
                 (request_id, subject, data),
             )
             self.db.execute("DELETE FROM open_calls WHERE request_id = ?", (request_id,))
-            self._remove(published)
+            if settlement:
+                self.db.execute(
+                    "INSERT OR IGNORE INTO settlements (request_id, data) VALUES (?, ?)",
+                    (request_id, orjson.dumps([list(change) for change in settlement])),
+                )
+            self._remove(published, settled)
 
-    def remove(self, request_ids: Sequence[str]) -> None:
-        """Remove published events (one transaction)."""
-        if not request_ids:
+    def remove(self, request_ids: Sequence[str], settled: Sequence[str] = ()) -> None:
+        """Remove published events and made settlements (one transaction)."""
+        if not request_ids and not settled:
             return
         with self._transaction():
-            self._remove(request_ids)
+            self._remove(request_ids, settled)
+
+    def settlements(self) -> list[tuple[str, list[Change]]]:
+        """The settlements not yet made (at start: those an earlier run left)."""
+        rows = self.db.execute("SELECT request_id, data FROM settlements")
+        return [
+            (
+                rid,
+                [
+                    Change(str(store), str(counter), int(amount))
+                    for store, counter, amount in orjson.loads(data)
+                ],
+            )
+            for rid, data in rows.fetchall()
+        ]
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -133,10 +170,14 @@ class Outbox:
             raise
         self.db.execute("COMMIT")
 
-    def _remove(self, request_ids: Sequence[str]) -> None:
+    def _remove(self, request_ids: Sequence[str], settled: Sequence[str] = ()) -> None:
         if request_ids:
             self.db.executemany(
                 "DELETE FROM events WHERE request_id = ?", [(rid,) for rid in request_ids]
+            )
+        if settled:
+            self.db.executemany(
+                "DELETE FROM settlements WHERE request_id = ?", [(rid,) for rid in settled]
             )
 
     def pending(self, limit: int = 1000) -> list[tuple[str, str, bytes]]:
@@ -167,9 +208,10 @@ class UsagePublisher:
         self._replayer: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
-        # acknowledged events still in the outbox, removed with the next event
-        # or by the timer (see the module's docs)
+        # acknowledged events and made settlements still in the outbox, removed
+        # with the next event or by the timer (see the module's docs)
         self._published: list[str] = []
+        self._settled: list[str] = []
         self._removal: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
@@ -196,23 +238,31 @@ class UsagePublisher:
             },
         )
 
-    def emit(self, event: UsageEvent, budget: bool = False) -> None:
+    def emit(
+        self, event: UsageEvent, budget: bool = False, settlement: Sequence[Change] = ()
+    ) -> None:
         """Journal the event, then publish it in the background.
 
         ``budget``: the key held a token budget when the call was accepted, so
-        the budget ledger counts the event too.
+        the budget ledger counts the event too. ``settlement``: the counter
+        writes that settle the call's reservation (:meth:`Limiter.plan
+        <services.router.limits.Limiter.plan>`), journaled with the event
+        until :meth:`settled` says they are made.
         """
         subject = self.subjects.usage(event.tenant, budget)
         data = codec.encode(event)
         published, self._published = self._published, []
+        settled, self._settled = self._settled, []
         try:
-            self.outbox.add(event.request_id, subject, data, published)
+            self.outbox.add(event.request_id, subject, data, published, settlement, settled)
         except BaseException:
             self._published[:0] = published  # still to remove
+            self._settled[:0] = settled
             raise
-        if published and not self._published and self._removal is not None:
-            self._removal.cancel()  # nothing left for it to remove
-            self._removal = None
+        if (published or settled) and self._removal is not None:
+            if not self._published and not self._settled:
+                self._removal.cancel()  # nothing left for it to remove
+                self._removal = None
         task = asyncio.create_task(self._publish(event.request_id, subject, data))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
@@ -230,22 +280,42 @@ class UsagePublisher:
             self._wake.set()
             return False
         self._published.append(request_id)
-        if len(self._published) >= REMOVE_BATCH:
+        self._remove_soon()
+        return True
+
+    def settled(self, request_id: str) -> None:
+        """The call's settlement is made: its journal entry goes at once.
+
+        At once, not with the next removal: the next run makes again what
+        the journal still holds, and that is idempotent only inside the
+        counters' duplicate window (see :meth:`Limiter.apply
+        <services.router.limits.Limiter.apply>`), so the window between the
+        writes and their entry's removal is kept to one commit.
+        """
+        try:
+            self.outbox.remove((), [request_id])
+        except Exception as exc:  # made again by the next run
+            self._settled.append(request_id)
+            self._remove_soon()
+            log.warning("a made settlement left in the outbox: %s: %s", type(exc).__name__, exc)
+
+    def _remove_soon(self) -> None:
+        if len(self._published) + len(self._settled) >= REMOVE_BATCH:
             self._remove_published()
         elif self._removal is None:
             self._removal = asyncio.get_running_loop().call_later(
                 REMOVE_AFTER_S, self._remove_published
             )
-        return True
 
     def _remove_published(self) -> None:
-        """Remove the acknowledged events no later event has taken out yet."""
+        """Remove the acknowledged events and made settlements no later event took out yet."""
         if self._removal is not None:
             self._removal.cancel()
             self._removal = None
         published, self._published = self._published, []
+        settled, self._settled = self._settled, []
         try:
-            self.outbox.remove(published)
+            self.outbox.remove(published, settled)
         except Exception as exc:  # kept: published again later, and the stream drops the copy
             log.warning("published events left in the outbox: %s: %s", type(exc).__name__, exc)
 
@@ -295,7 +365,8 @@ class LostCalls:
     the orphans bucket: the call is billed from it (outcome ``router_lost``,
     the engine's own counts). A call whose deadline has passed (plus
     ``grace_s``) without such a report never reached a worker, or its worker
-    died too: it is billed zero tokens. Either way its reservation is settled.
+    died too: it is billed zero tokens. Either way its reservation is settled
+    (:class:`~services.router.settlement.Settler`, journaled with the event).
     """
 
     def __init__(
@@ -303,15 +374,14 @@ class LostCalls:
         usage: UsagePublisher,
         records: list[tuple[str, dict[str, Any]]],
         orphans: Callable[[], Awaitable[Any]],
-        # (what the call held, its tokens, of which prompt tokens)
-        settle: Callable[[dict[str, Any], int, int], Awaitable[None]] | None = None,
+        settler: Settler | None = None,
         every_s: float = 2.0,
         grace_s: float = 30.0,
     ) -> None:
         self.usage = usage
         self.records = dict(records)
         self.orphans = orphans
-        self.settle = settle
+        self.settler = settler
         self.every_s = every_s
         self.grace_s = grace_s
         self._task: asyncio.Task[None] | None = None
@@ -357,6 +427,10 @@ class LostCalls:
         if end is None and time.time() < float(record["deadline"]) + self.grace_s:
             return  # a worker may still be running it
         usage = end.usage if end is not None and end.usage is not None else Usage()
+        held = Reservation.from_held(record.get("reservation") or {})
+        settlement: list[Change] = []
+        if self.settler is not None and record.get("reservation"):
+            settlement = self.settler.plan(held, usage.total_tokens, usage.prompt_tokens)
         now = time.time()
         self.usage.emit(
             UsageEvent(
@@ -375,11 +449,12 @@ class LostCalls:
                 total_s=max(0.0, now - float(record["enqueued_at"])),
                 http_status=502,  # the client's connection broke with its router
             ),
-            budget=Reservation.from_held(record.get("reservation") or {}).budget,
+            budget=held.budget,
+            settlement=journaled(settlement),
         )
         del self.records[request_id]
-        if self.settle is not None and record.get("reservation"):
-            await self.settle(record["reservation"], usage.total_tokens, usage.prompt_tokens)
+        if self.settler is not None:
+            await self.settler.settle(request_id, settlement)
         log.info(
             "lost call billed",
             extra={

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from nats.js.errors import KeyNotFoundError
 
+from services.router.limits import Change, Limiter
+from services.router.settlement import Settler
 from services.router.usage import LostCalls, Outbox
 from tollgate.wire import codec
 from tollgate.wire.contracts import (
@@ -47,17 +50,41 @@ class Publisher:
         self.budget: dict[str, bool] = {}  # request id -> sent for the budget ledger too
         self.changed = asyncio.Event()
 
-    def emit(self, event: UsageEvent, budget: bool = False) -> None:
-        self.outbox.add(event.request_id, Subjects().usage("acme", budget), codec.encode(event))
+    def emit(
+        self, event: UsageEvent, budget: bool = False, settlement: Sequence[Change] = ()
+    ) -> None:
+        subject = Subjects().usage("acme", budget)
+        self.outbox.add(event.request_id, subject, codec.encode(event), settlement=settlement)
         self.events.append(event)
         self.budget[event.request_id] = budget
         self.changed.set()
+
+    def settled(self, request_id: str) -> None:
+        self.outbox.remove((), [request_id])
 
     async def until(self, count: int) -> None:
         async with asyncio.timeout(10):
             while len(self.events) < count:
                 self.changed.clear()
                 await self.changed.wait()
+
+
+class Counters:
+    """A counter bucket that records each write: (counter, amount, write id)."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, int, str | None]] = []
+
+    async def add(
+        self,
+        key: str,
+        amount: int,
+        limit: int | None = None,
+        floor: int | None = None,
+        write_id: str | None = None,
+    ) -> tuple[bool, int]:
+        self.writes.append((key, amount, write_id))
+        return True, 0
 
 
 def open_call(outbox: Outbox, request_id: str, deadline: float, reserved: int | None) -> None:
@@ -99,19 +126,16 @@ async def test_each_open_call_is_billed_once_from_its_report_or_at_zero(tmp_path
         worker_id="w-1",
     )
     orphans.values["reported"] = codec.encode(report)
-    settled: list[tuple[dict[str, Any], int, int]] = []
-
-    async def settle(held: dict[str, Any], tokens: int, prompt_tokens: int) -> None:
-        settled.append((held, tokens, prompt_tokens))
-
+    rates, budgets = Counters(), Counters()
     publisher = Publisher(outbox)
+    settler = Settler(Limiter(rates, budgets), publisher)  # type: ignore[arg-type]
     records = outbox.opened()
     assert sorted(r for r, _ in records) == ["never-ran", "reported", "still-running"]
 
     async def bucket() -> Orphans:
         return orphans
 
-    lost = LostCalls(publisher, records, bucket, settle, every_s=0.05)  # type: ignore[arg-type]
+    lost = LostCalls(publisher, records, bucket, settler, every_s=0.05)  # type: ignore[arg-type]
     lost.start()
     await publisher.until(2)
     await asyncio.sleep(0.2)  # another round: nothing more may be billed
@@ -134,8 +158,11 @@ async def test_each_open_call_is_billed_once_from_its_report_or_at_zero(tmp_path
     assert reported.tenant == "acme" and reported.key_id == "k1" and reported.streamed
     # the key held a budget when the call was accepted: the budget ledger counts it too
     assert publisher.budget == {"reported": True, "never-ran": False}
-    # the reservation of the reported call is replaced by its real count
-    assert settled == [({"tokens": 500, "tpm_key": "tpm.k1.1", "budget_key": "k1.total"}, 56, 31)]
+    # the reservation of the reported call (500 tokens) is replaced by its real count (56),
+    # by writes the next run would make again without counting them twice
+    assert rates.writes == [("tpm.k1.1", 56 - 500, "reported.tpm.k1.1")]
+    assert budgets.writes == [("k1.total", 56 - 500, "reported.k1.total")]
+    assert outbox.settlements() == []  # made: nothing left for the next run
     # billed calls are closed; the one still running stays open for the next round or run
     assert [r for r, _ in outbox.opened()] == ["still-running"]
 
@@ -143,7 +170,7 @@ async def test_each_open_call_is_billed_once_from_its_report_or_at_zero(tmp_path
     orphans.values["still-running"] = codec.encode(
         report.model_copy(update={"request_id": "still-running"})
     )
-    again = LostCalls(publisher, outbox.opened(), bucket, settle, every_s=0.05)  # type: ignore[arg-type]
+    again = LostCalls(publisher, outbox.opened(), bucket, settler, every_s=0.05)  # type: ignore[arg-type]
     again.start()
     await publisher.until(3)
     await again.stop()
