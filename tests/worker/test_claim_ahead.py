@@ -296,17 +296,26 @@ async def test_an_offer_read_while_draining_is_not_started(rig: Rig) -> None:
 async def test_a_drain_waits_for_final_reports_within_its_own_time(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A final report still retrying (NATS restarting as the worker is scaled down)
-    outlasts the least wait for reports: the drain waits for it, within drain_timeout_s."""
+    """Final reports still retrying (NATS restarting as the worker is scaled down)
+    outlast the least wait for reports: the drain waits for them, until its own
+    time (drain_timeout_s) is spent, and no longer."""
     monkeypatch.setattr(consumer_module, "REPORTS_WAIT_S", 0.1)
-    rig.consumer.settings.drain_timeout_s = 10
-    # stands in for a report whose retries end once NATS is back, a second from now
-    retrying = asyncio.create_task(asyncio.sleep(1.0))
-    rig.consumer._reporting.add(retrying)
-    retrying.add_done_callback(rig.consumer._reporting.discard)
+    rig.consumer.settings.drain_timeout_s = 2.0
+    # stand in for two reports: one whose retries end once NATS is back (soon),
+    # one that would retry past the drain's time
+    back_soon = asyncio.create_task(asyncio.sleep(0.5))
+    never_back = asyncio.create_task(asyncio.sleep(60))
+    for report in (back_soon, never_back):
+        rig.consumer._reporting.add(report)
+        report.add_done_callback(rig.consumer._reporting.discard)
+    began = time.monotonic()
     await rig.consumer.drain()
-    assert retrying.done() and not retrying.cancelled()
+    took = time.monotonic() - began
+    assert back_soon.done() and not back_soon.cancelled()
+    assert not never_back.done()
+    assert 1.5 < took < 6, took  # the drain's time, not the 8 s reports had before
     assert rig.consumer.drained.is_set()
+    never_back.cancel()
 
 
 async def until(condition: Any, seconds: float = 10.0) -> None:
