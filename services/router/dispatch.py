@@ -65,6 +65,7 @@ class Call:
         "started_at",
         "submitted_at",
         "token",
+        "unjournaled",
         "withdrawal",
         "worker_id",
     )
@@ -98,6 +99,8 @@ class Call:
         self.reconnects = 0
         # whether the router took it back out of the queue (see Dispatcher.withdraw)
         self.withdrawal: asyncio.Future[bool] | None = None
+        # its open record could not be written to the outbox: it is stopped at once
+        self.unjournaled = False
 
 
 class Dispatcher:

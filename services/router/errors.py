@@ -120,6 +120,19 @@ class ServiceUnavailable(TollgateError):
     code = "no_capacity"
 
 
+class UsageUnrecorded(ServiceUnavailable):
+    """The router cannot journal the call's usage (its outbox cannot be written):
+    the call is stopped, as a call this router could not bill must not run."""
+
+    code = "usage_unavailable"
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(
+            "This request cannot be served right now: its usage cannot be recorded. Please retry.",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+
+
 class Overloaded(TollgateError):
     """The model's queue is full: refused at once, with a Retry-After (not accepted)."""
 

@@ -30,6 +30,7 @@ from services.router.errors import (
     DeadlineExceeded,
     ServiceUnavailable,
     TollgateError,
+    UsageUnrecorded,
     WorkerLost,
 )
 from tollgate.wire.contracts import ChunkKind, Outcome, ResponseChunk
@@ -53,6 +54,7 @@ class ClientGone(Exception):
 # What a TollgateError raised while following a call means for its usage row.
 # Their codes are these outcomes' values, as usage rows have always held them.
 _ERROR_OUTCOMES: Final[tuple[tuple[type[TollgateError], Outcome], ...]] = (
+    (UsageUnrecorded, Outcome.INTERNAL_ERROR),  # before its base class
     (ServiceUnavailable, Outcome.NO_CAPACITY),
     (WorkerLost, Outcome.WORKER_LOST),
     (DeadlineExceeded, Outcome.DEADLINE_EXCEEDED),

@@ -361,8 +361,10 @@ def _call_answers(
         ),
         502: _error("The worker serving the request stopped before it ended (`worker_lost`)."),
         503: _error(
-            "No capacity (`no_capacity`), the model's queue is full (`model_overloaded`), or "
-            "the key whitelist is stale (`whitelist_stale`).",
+            "No capacity (`no_capacity`), the model's queue is full (`model_overloaded`), "
+            "the key whitelist is stale (`whitelist_stale`), the key's limits cannot be "
+            "checked (`limits_unavailable`), or the call's usage cannot be recorded "
+            "(`usage_unavailable`).",
             **{"Retry-After": RETRY_AFTER},
         ),
         504: _error("The request ran past TOLLGATE_ROUTER_REQUEST_TIMEOUT_S."),

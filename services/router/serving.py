@@ -25,6 +25,7 @@ from services.router.errors import (
     RateLimited,
     ServiceUnavailable,
     TollgateError,
+    UsageUnrecorded,
     WorkerLost,
 )
 from services.router.lifecycle import KEEPALIVE, CallLife, Ending, Keepalive
@@ -286,7 +287,17 @@ class OpenAIServing:
         call.reservation = reservation
         if self.usage is not None:
             held = reservation.held() if reservation is not None else None
-            self.usage.opened(call.request, prepared.stream, held)
+            try:
+                self.usage.opened(call.request, prepared.stream, held)
+            except Exception as exc:
+                # Queued already: its life stops it (events raises UsageUnrecorded),
+                # takes it back or cancels it, and bills what a worker did of it.
+                log.error(
+                    "a call could not be journaled; stopping it: %s: %s",
+                    type(exc).__name__,
+                    str(exc),
+                )
+                call.unjournaled = True
         if capture and self.capturer is not None:
             tenant = (principal.tenant if principal else None) or "anonymous"
             if self.capturer.wanted(principal.record if principal else None, tenant):
@@ -394,6 +405,8 @@ class OpenAIServing:
         TollgateError when the queue timeout or the deadline passes, or when
         the worker running the call stops heartbeating.
         """
+        if call.unjournaled:
+            raise UsageUnrecorded(self.settings.retry_after_s)
         loop = asyncio.get_running_loop()
         started = loop.time()
         start_deadline = started + self.settings.queue_timeout_s
@@ -644,11 +657,27 @@ class OpenAIServing:
             settlement = self.settler.plan(
                 call.reservation, usage.total_tokens, usage.prompt_tokens
             )
-        self._record(
-            event,
-            budget=call.reservation is not None and call.reservation.budget,
-            settlement=journaled(settlement),
-        )
+        try:
+            self._record(
+                event,
+                budget=call.reservation is not None and call.reservation.budget,
+                settlement=journaled(settlement),
+            )
+        except Exception as exc:
+            # The outbox cannot be written: the worker's report is not
+            # acknowledged (it keeps it), and the event is logged, not lost silently.
+            log.error(
+                "usage event not journaled: %s: %s",
+                type(exc).__name__,
+                str(exc),
+                extra={
+                    "request_id": request.request_id,
+                    **event.model_dump(mode="json", exclude={"type", "time"}),
+                },
+            )
+            if self.settler is not None:
+                await self.settler.settle(request.request_id, settlement)
+            return
         await self.dispatcher.acknowledge_end(call)
         if call.captured is not None and self.capturer is not None:
             self.capturer.emit(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -619,6 +620,50 @@ async def test_the_queue_timeout_is_a_503_with_retry_after_and_one_event(
     assert (event.prompt_tokens, event.completion_tokens) == (0, 0)
     # so that no worker runs it later for nobody
     assert [c.reason for c in published.cancels] == ["no_capacity"]
+
+
+@pytest.mark.parametrize(("stream", "taken_first"), [(False, False), (True, False), (False, True)])
+async def test_a_call_the_outbox_cannot_journal_is_stopped_and_answered_503(
+    open_router: OpenRouter, monkeypatch: pytest.MonkeyPatch, stream: bool, taken_first: bool
+) -> None:
+    """A full disk as the call is queued: a call this router could not bill must
+    not run. It is taken back out of the queue or, when a worker took it first,
+    cancelled and billed what that worker did."""
+    router = await open_router(retry_after_s=4)
+    worker = await router.worker(_until_cancelled)
+    outbox = router.app[SERVING].usage.outbox
+    dispatcher = router.app[DISPATCHER]
+
+    def disk_full(request_id: str, record: dict[str, Any]) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(outbox, "open", disk_full)
+    if taken_first:
+        withdraw = dispatcher.withdraw
+        took = asyncio.ensure_future(worker.taken.get())  # awaited by the cancel and the finish
+
+        async def after_the_worker_took_it(call: Call) -> bool:
+            async with asyncio.timeout(10):
+                await took
+            return await withdraw(call)
+
+        monkeypatch.setattr(dispatcher, "withdraw", after_the_worker_took_it)
+    r = await router.post(stream=stream)
+    assert r.status == 503 and r.headers["Retry-After"] == "4"
+    assert (await r.json())["error"]["code"] == "usage_unavailable"
+    request_id = r.headers["x-request-id"]
+    await router.until_ended()
+    queued = await read_subject(router.nc.jetstream(), router.subjects.infer_all)
+
+    published = await router.close()
+    event = published.one_event()
+    assert event.request_id == request_id
+    assert (event.outcome, event.http_status) == (Outcome.INTERNAL_ERROR, 503)
+    assert [c.request_id for c in published.cancels] == [request_id]
+    assert queued == []  # nothing left for a worker to run later
+    assert (request_id in worker.replies) == taken_first
+    # taken back before any worker ran it: zero; else what the worker reported
+    assert (event.prompt_tokens, event.completion_tokens) == ((5, 2) if taken_first else (0, 0))
 
 
 async def test_a_stream_waiting_in_the_queue_gets_keepalives_then_the_error(
