@@ -408,6 +408,24 @@ def _control(r: dict[str, Any]) -> list[str]:
     return [*render(r).splitlines(), ""]
 
 
+def _lasting_budget(r: dict[str, Any]) -> str:
+    """The budget that lasts: its counter beside its billed tokens, every call settled."""
+    lasting = r.get("lasting_budget")
+    if not lasting or lasting.get("router_counter") is None:
+        return ""
+    difference = lasting["router_counter_minus_billed"]
+    return (
+        f"A second budget, too large to run out, was billed {lasting['billed_tokens']} tokens "
+        f"over {lasting['calls_billed']} calls, through every fault; the routers' counter of "
+        f"it held {lasting['router_counter']} once every call was settled ("
+        + (
+            "the billed tokens exactly: no settlement lost or made twice). "
+            if difference == 0
+            else f"{difference:+d} against the billed tokens). "
+        )
+    )
+
+
 def _soak(r: dict[str, Any]) -> list[str]:
     faults = ", ".join(f"{f['name']} ({f['recovery_s']} s)" for f in r["faults"])
     lines = [
@@ -417,8 +435,9 @@ def _soak(r: dict[str, Any]) -> list[str]:
         "(`python -m bench.soak`): `tollgate up` with "
         f"{r['routers']} routers and {r['workers']} simulated-engine workers across two models, "
         f"{r['concurrency']} clients sending stream and non-stream chat, completions and "
-        "streams they hang up, with an unlimited key, a key with a token budget, a "
-        "rate-limited key and a key revoked part-way; one fault at a time, each listed with "
+        "streams they hang up, with an unlimited key, a key with a token budget that runs "
+        "out, one with a budget that lasts, a rate-limited key and a key revoked part-way; "
+        "one fault at a time, each listed with "
         "the time until the stack had recovered from it:",
         "",
         f"{faults}.",
@@ -458,12 +477,13 @@ def _soak(r: dict[str, Any]) -> list[str]:
         "final report or, without one, at zero tokens once the call's deadline "
         f"({REQUEST_TIMEOUT_S} s in the soak) and 30 s have passed (`router_lost`); before "
         "it reads the rows, the run waits until no router's outbox holds an unpublished "
-        "event or an open call.",
+        "event, an open call or an unmade settlement.",
         "",
         f"Budget: {r['budget']['billed_tokens']} tokens billed against a budget of "
         f"{r['budget']['budget_tokens']}; at most {r['budget']['max_calls_in_flight']} calls of "
         f"that key were in flight, each reserving up to {r['budget']['worst_case_per_call']}. "
-        f"Rate limit: at most {r['rate']['max_accepted_in_a_minute']} calls accepted in one "
+        + _lasting_budget(r)
+        + f"Rate limit: at most {r['rate']['max_accepted_in_a_minute']} calls accepted in one "
         f"minute for a limit of {r['rate']['rpm']}"
         + (
             f" ({r['rate']['max_in_a_minute_nats_restarted']} in the minute NATS restarted: "

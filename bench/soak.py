@@ -4,13 +4,15 @@
 routers and four simulated-engine workers across two models (a test double
 for vLLM, so the run measures Tollgate and not the engine), on free ports and
 a temporary var dir. Clients send a steady mix of calls (stream and
-non-stream chat, completions, streams the client hangs up) with four keys: an
-unlimited one, one with a token budget, one with a requests-per-minute limit,
-and one that is revoked part-way. Meanwhile a schedule injects faults one at a
-time: worker SIGKILL, worker SIGTERM mid-stream, router SIGKILL (clients go to
-the other router), NATS restart, metering SIGKILL, auth SIGKILL, ClickHouse
-insert failures (the metering store's fault switch) and ``kill -9`` of
-``tollgate up`` followed by ``tollgate up`` again.
+non-stream chat, completions, streams the client hangs up) with five keys: an
+unlimited one, one with a token budget that runs out, one with a budget that
+lasts (its calls are settled through every fault), one with a
+requests-per-minute limit, and one that is revoked part-way. Meanwhile a
+schedule injects faults one at a time: worker SIGKILL, worker SIGTERM
+mid-stream, router SIGKILL (clients go to the other router), NATS restart,
+metering SIGKILL, auth SIGKILL, ClickHouse insert failures (the metering
+store's fault switch) and ``kill -9`` of ``tollgate up`` followed by
+``tollgate up`` again.
 
 At the end it reconciles what the clients saw with the usage rows in
 ClickHouse, request by request, checks the limits held, samples every
@@ -47,7 +49,7 @@ from tollgate.analytics import run_query
 from tollgate.runtime.procs import marked_processes, process_info
 from tollgate.runtime.settings import CommonSettings
 from tollgate.wire.subjects import Subjects
-from tollgate.wire.topology import Role
+from tollgate.wire.topology import Role, Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_A = "soak/alpha"
@@ -76,6 +78,7 @@ predictive = false
 """
 MESSAGES = [{"role": "user", "content": "tell me something about the sea"}]
 BUDGET_TOKENS = 4000
+LASTING_BUDGET_TOKENS = 1_000_000_000  # never spent in a soak: settled through every fault
 RATE_RPM = 40
 MAX_TOKENS = 40
 CONCURRENCY = 8
@@ -194,6 +197,9 @@ class Soak:
         self.stop_load = asyncio.Event()
         self.t_start = 0.0
         self.duplicate_rows = 0
+        # the routers' counters of the budget keys once every call is settled
+        # (key name -> value; absent: unread)
+        self.budget_counters: dict[str, int] = {}
 
     def say(self, text: str) -> None:
         print(f"[{time.monotonic() - self.t_start:7.1f}s] {text}", file=self.out, flush=True)
@@ -313,6 +319,11 @@ class Soak:
                 "budget_tokens": BUDGET_TOKENS,
                 "budget_period": "total",
             },
+            "lasting": {
+                "tenant": "soak-lasting",
+                "budget_tokens": LASTING_BUDGET_TOKENS,
+                "budget_period": "total",
+            },
             "rate": {"tenant": "soak-rate", "rpm": RATE_RPM},
             "revoked": {"tenant": "soak-revoked"},
         }
@@ -338,7 +349,9 @@ class Soak:
     # -- load --------------------------------------------------------------
 
     def pick(self) -> tuple[str, str, str]:
-        key = self.rng.choices(["main", "budget", "rate", "revoked"], [70, 10, 10, 10])[0]
+        key = self.rng.choices(
+            ["main", "budget", "lasting", "rate", "revoked"], [60, 10, 10, 10, 10]
+        )[0]
         kind = self.rng.choices(["chat", "stream", "completion", "hangup"], [35, 35, 10, 20])[0]
         return key, kind, self.rng.choice([MODEL_A, MODEL_B])
 
@@ -612,6 +625,10 @@ class Soak:
                 " WHERE tenant LIKE 'soak-%'",
             )
             self.duplicate_rows = int(dup.rows[0][0]) if not dup.error else -1
+            for name in ("budget", "lasting"):
+                counter = await self.read_budget_counter(js, subjects, name)
+                if counter is not None:
+                    self.budget_counters[name] = counter
             rows: dict[str, tuple[Any, ...]] = {}
             fetched = 0
             page = 5000  # under the metering service's row cap and the bus's message size
@@ -633,8 +650,34 @@ class Soak:
         finally:
             await nc.close()
 
+    async def read_budget_counter(self, js: Any, subjects: Subjects, name: str) -> int | None:
+        """What the routers' counter of a budget key holds (reserved and settled)."""
+        key_id = self.key_ids.get(name)
+        if key_id is None:
+            return None
+        try:
+            kv = await js.key_value(Topology(subjects).budgets.name)
+            entry = await kv.get(f"{key_id}.total")
+        except Exception:  # never written (no budget call ran), or unreadable
+            return None
+        return int(entry.value or b"0")
+
+    def counter_report(self, name: str, billed: int) -> dict[str, int | None]:
+        """The routers' counter of a budget key beside the tokens billed to it.
+
+        Every call settled, the counter holds the billed tokens again, short of
+        the rare write counted twice or left counted that docs/architecture.md
+        names: measured, not asserted.
+        """
+        counter = self.budget_counters.get(name)
+        return {
+            "router_counter": counter,
+            "router_counter_minus_billed": None if counter is None else counter - billed,
+        }
+
     def outboxes_empty(self) -> bool:
-        """No router's outbox holds an unpublished event or a call still open.
+        """No router's outbox holds an unpublished event, a call still open or an
+        unmade settlement.
 
         A call open there after the load stopped is one a router was killed
         in: its row comes once the router's next run bills it.
@@ -642,11 +685,13 @@ class Soak:
         for path in (self.var / "outbox").glob("*.db"):
             db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
             try:
-                events = db.execute("SELECT COUNT(*) FROM events").fetchone()[0]
-                opened = db.execute("SELECT COUNT(*) FROM open_calls").fetchone()[0]
+                left = sum(
+                    db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+                    for table in ("events", "open_calls", "settlements")
+                )
             finally:
                 db.close()
-            if events or opened:
+            if left:
                 return False
         return True
 
@@ -752,6 +797,8 @@ class Soak:
         # the budget: billed tokens never beyond the budget and what was reserved in flight
         budget_rows = [r for r in rows.values() if r[1] == "soak-budget"]
         billed = sum(r[2] + r[3] for r in budget_rows)
+        lasting_rows = [r for r in rows.values() if r[1] == "soak-lasting"]
+        lasting_billed = sum(r[2] + r[3] for r in lasting_rows)
         budget_calls = [c for c in calls if c.key == "budget"]
         worst = max((c.prompt_tokens or 0 for c in calls), default=0) + MAX_TOKENS
         in_flight = _max_overlap(budget_calls)
@@ -840,6 +887,13 @@ class Soak:
                 "billed_tokens": billed,
                 "max_calls_in_flight": in_flight,
                 "worst_case_per_call": worst,
+                **self.counter_report("budget", billed),
+            },
+            # a budget that lasts: its calls are settled through every fault
+            "lasting_budget": {
+                "billed_tokens": lasting_billed,
+                "calls_billed": len(lasting_rows),
+                **self.counter_report("lasting", lasting_billed),
             },
             "rate": {
                 "rpm": RATE_RPM,
