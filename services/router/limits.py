@@ -507,11 +507,7 @@ class Limiter:
             log.error("negative token count %d settled as 0", actual_tokens)
             actual_tokens = 0
         delta = actual_tokens - held.tokens
-        released, held.concurrency_keys = held.concurrency_keys, []
-        if held.live:
-            for key in released:
-                self._unhold(key)
-        changes = [Change(RATES, key, -1) for key in released]
+        changes = self._released(held)
         changes += [Change(RATES, key, delta) for key in held.tpm_keys]
         changes += [Change(BUDGETS, key, delta) for key in held.budget_keys]
         if held.price is not None and held.money_keys:
@@ -566,11 +562,16 @@ class Limiter:
         A second call, or a settle after it, gives back nothing more. A
         counter never goes below zero.
         """
+        await self.apply(self._released(held))
+
+    def _released(self, held: Reservation) -> list[Change]:
+        """The writes that give back the reservation's units in flight, taken from it once;
+        this run stops renewing the counters of the units it took itself."""
         keys, held.concurrency_keys = held.concurrency_keys, []
         if held.live:
             for key in keys:
                 self._unhold(key)
-        await self.apply([Change(RATES, key, -1) for key in keys])
+        return [Change(RATES, key, -1) for key in keys]
 
     def _hold(self, key: str) -> None:
         self._holding[key] = self._holding.get(key, 0) + 1

@@ -371,6 +371,17 @@ def test_a_block_inserted_again_is_dropped_everywhere(store: UsageStore) -> None
     assert scalar(store, "SELECT sum(requests) FROM usage_daily") == 60
 
 
+def lose_rollups(store: UsageStore, day: date, where: str = "") -> None:
+    """Both rollups of ``day`` (of the rows ``where`` picks) lost, as a crash between an
+    insert's raw write and its rollup writes leaves them."""
+    for table, column in (("usage_hourly", "toDate(hour)"), ("usage_daily", "day")):
+        store.writer.command(
+            f"ALTER TABLE {table} DELETE WHERE {column} = {{d:Date}} {where}",
+            parameters={"d": day},
+            settings={"mutations_sync": 2},
+        )
+
+
 def test_rollups_left_short_are_rebuilt_from_the_raw_rows(store: UsageStore) -> None:
     now = datetime.now(UTC).timestamp()
     rows = [event(i, time=now - i * 400.0) for i in range(400)]  # about two days
@@ -381,12 +392,7 @@ def test_rollups_left_short_are_rebuilt_from_the_raw_rows(store: UsageStore) -> 
     # A crash between the raw write and the rollup writes: rows missing from both rollups,
     # on a day that has rows whatever the time of the run (six hours ago: rows cover ~44 h).
     damaged = datetime.fromtimestamp(now - 6 * 3600, UTC).date()
-    for table, column in (("usage_hourly", "toDate(hour)"), ("usage_daily", "day")):
-        store.writer.command(
-            f"ALTER TABLE {table} DELETE WHERE {column} = {{d:Date}} AND tenant = 'acme'",
-            parameters={"d": damaged},
-            settings={"mutations_sync": 2},
-        )
+    lose_rollups(store, damaged, "AND tenant = 'acme'")
     assert store.repair_rollups(days=3) == [damaged]
     raw = scalar(store, "SELECT count() FROM usage_events FINAL")
     assert raw == 410
@@ -405,12 +411,7 @@ def test_rollups_of_an_old_day_ingested_lately_are_checked(store: UsageStore) ->
     backlog = [event(i, time=now - 9 * 86400 - i, request_id=f"late-{i}") for i in range(20)]
     store.insert(backlog)
     old_day = datetime.fromtimestamp(now - 9 * 86400, UTC).date()
-    for table, column in (("usage_hourly", "toDate(hour)"), ("usage_daily", "day")):
-        store.writer.command(
-            f"ALTER TABLE {table} DELETE WHERE {column} = {{d:Date}}",
-            parameters={"d": old_day},
-            settings={"mutations_sync": 2},
-        )
+    lose_rollups(store, old_day)
     assert store.repair_rollups(days=2) == [old_day]
     assert scalar(
         store, f"SELECT sum(requests) FROM usage_daily WHERE day = '{old_day.isoformat()}'"

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NATS
-from nats.js.errors import KeyNotFoundError
 
 from services.router.limits import (
     BUDGETS,
@@ -27,6 +26,7 @@ from services.router.limits import (
 from services.router.settlement import Settler
 from services.router.usage import Outbox, UsagePublisher
 from tests.conftest import NatsServer, free_port
+from tests.router.test_limits import counter
 from tollgate.keys.records import KeyRecord
 from tollgate.wire import bus
 from tollgate.wire.contracts import UsageEvent
@@ -54,13 +54,6 @@ def event(request_id: str) -> UsageEvent:
     )
 
 
-async def value(store: CounterStore, key: str) -> int:
-    try:
-        return int((await store.kv.get(key)).value or b"0")
-    except KeyNotFoundError:
-        return 0
-
-
 async def until_made(settler: Settler, within_s: float = 30) -> None:
     """Polls: the retries run on their own timer, with no event to await."""
     deadline = time.monotonic() + within_s
@@ -84,10 +77,10 @@ async def test_a_counter_write_with_an_id_counts_once(nats_server: NatsServer) -
         await mine.add("k.total", -444, floor=0, write_id="call-1.k.total")
         # and so does the router's next run, which has no view at all
         await CounterStore(kv).add("k.total", -444, floor=0, write_id="call-1.k.total")
-        assert await value(mine, "k.total") == 556
+        assert await counter(mine, "k.total") == 556
         # another call's write is its own
         await mine.add("k.total", -400, floor=0, write_id="call-2.k.total")
-        assert await value(mine, "k.total") == 156
+        assert await counter(mine, "k.total") == 156
     finally:
         await bus.close(nc)
 
@@ -128,7 +121,7 @@ class Router:
         await finish(self.settler, self.publisher, request_id, held)
 
     async def budget(self, key_id: str = BUDGET.key_id) -> int:
-        return await value(self.limiter.budgets, f"{key_id}.total")
+        return await counter(self.limiter.budgets, f"{key_id}.total")
 
 
 @pytest.fixture
@@ -231,7 +224,7 @@ async def test_a_router_killed_before_it_settled_settles_in_its_next_run(
     made = settler.plan(second, USED, 50)
     publisher.emit(event("call-b"), budget=True, settlement=journaled(made))
     assert await limiter.apply(made, "call-b") == []
-    assert await value(limiter.budgets, budget) == RESERVED + USED
+    assert await counter(limiter.budgets, budget) == RESERVED + USED
     await publisher.flush()  # (what a kill leaves is the journal; this test's tasks end)
     await limiter.close()
 
@@ -242,7 +235,7 @@ async def test_a_router_killed_before_it_settled_settles_in_its_next_run(
     assert sorted(settler.unmade) == ["call-a", "call-b"]
     settler.start()
     await until_made(settler)
-    assert await value(limiter.budgets, budget) == 2 * USED
+    assert await counter(limiter.budgets, budget) == 2 * USED
     assert Outbox(path).settlements() == []
     await settler.stop()
     publisher.outbox.close()
