@@ -4,20 +4,24 @@ The client reaches into nats.py's internals, so these tests also check that
 the installed nats.py still has what it uses: a handler subscribed with
 ``subscribe_at_once`` runs in the connection's reader task, in order, through
 errors, unsubscribes and reconnects, and replies to requests are taken there
-too, and a flush means the server has what was sent before it. The
-session's server speaks TLS; the reconnect test runs its own.
+too, and a flush means the server has what was sent before it. Its own
+requests and JetStream publishes answer as nats.py's do: replies, timeouts,
+no responders, cancels, acknowledgements and errors. The session's server
+speaks TLS; the reconnect test runs its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import pytest
 from nats.aio.msg import Msg
+from nats.js.api import StorageType, StreamConfig
 
 from tests.conftest import NatsServer
 from tests.lib.net import free_port
@@ -143,6 +147,102 @@ async def test_replies_to_requests_are_taken_in_the_reader(nats_server: NatsServ
     finally:
         await nc.close()
         await responder.close()
+
+
+async def test_a_request_nobody_answers_times_out_and_leaves_nothing_behind(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats_server.connect()
+    try:
+        await nc.subscribe("tg.test.silent", cb=_ignore)  # heard, never answered
+        await nc.flush()
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(nats.errors.TimeoutError) as raised:
+            await nc.request("tg.test.silent", b"x", timeout=0.3)
+        waited = asyncio.get_running_loop().time() - started
+        assert isinstance(raised.value, TimeoutError)  # what callers catch
+        assert 0.3 <= waited < 2.0
+        assert not nc._resp_map
+    finally:
+        await nc.close()
+
+
+async def test_a_request_nobody_hears_is_answered_no_responders(nats_server: NatsServer) -> None:
+    nc = await nats_server.connect()
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(nats.errors.NoRespondersError):
+            await nc.request("tg.test.nobody", b"x", timeout=5)
+        assert asyncio.get_running_loop().time() - started < 2.0  # not the timeout
+        assert not nc._resp_map
+    finally:
+        await nc.close()
+
+
+async def test_a_cancelled_request_leaves_nothing_behind_and_its_late_reply_is_dropped(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats_server.connect()
+    responder = await nats_server.connect()
+    held: list[Msg] = []
+    try:
+        await responder.subscribe("tg.test.held", cb=_keep(held))
+        await responder.flush()
+        waiting = asyncio.create_task(nc.request("tg.test.held", b"x", timeout=5))
+        await eventually(lambda: len(held) == 1)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert not nc._resp_map
+        await held[0].respond(b"late")
+        # the next request gets its own reply, not the late one
+        reply = asyncio.create_task(nc.request("tg.test.held", b"y", timeout=5))
+        await eventually(lambda: len(held) == 2)
+        await held[1].respond(b"second")
+        assert (await reply).data == b"second"
+    finally:
+        await nc.close()
+        await responder.close()
+
+
+async def test_jetstream_publishes_are_acknowledged_as_nats_py_acknowledges_them(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats_server.connect()
+    js = nc.jetstream()
+    assert isinstance(js, bus.JetStream)
+    try:
+        await js.add_stream(
+            StreamConfig(name="TGTESTACKS", subjects=["tg.test.acks.>"], storage=StorageType.MEMORY)
+        )
+        first = await js.publish("tg.test.acks.a", b"1", headers={"Nats-Msg-Id": "one"})
+        second = await js.publish("tg.test.acks.a", b"2", headers={"Nats-Msg-Id": "two"})
+        copy = await js.publish("tg.test.acks.a", b"1", headers={"Nats-Msg-Id": "one"})
+        assert (first.stream, first.seq, first.duplicate) == ("TGTESTACKS", 1, None)
+        assert (second.seq, second.duplicate) == (2, None)
+        assert (copy.seq, copy.duplicate) == (1, True)  # the stream's copy, not stored again
+        # a refused publish raises the server's error
+        with pytest.raises(nats.js.errors.APIError) as refused:
+            await js.publish("tg.test.acks.a", b"3", headers={"Nats-Expected-Last-Sequence": "1"})
+        assert refused.value.err_code == 10071  # wrong last sequence
+        # a subject no stream takes
+        with pytest.raises(nats.js.errors.NoStreamResponseError):
+            await js.publish("tg.test.nostream", b"x", timeout=2)
+        assert not nc._resp_map
+    finally:
+        await js.delete_stream("TGTESTACKS")
+        await nc.close()
+
+
+async def _ignore(msg: Msg) -> None:
+    return None
+
+
+def _keep(into: list[Msg]) -> Callable[[Msg], Awaitable[None]]:
+    async def keep(msg: Msg) -> None:
+        into.append(msg)
+
+    return keep
 
 
 async def test_another_client_runs_the_handler_in_the_subscriptions_task(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
@@ -11,11 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import nats
+import nats.js.errors
 import orjson
+from nats.aio.client import NO_RESPONDERS_STATUS
 from nats.aio.client import PING_PROTO as PING
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import Header, PubAck
 
 # The largest message the bus carries (nats-server's max_payload; its default
 # is 1 MiB). Every configuration Tollgate writes for nats-server sets it, so a
@@ -82,6 +87,13 @@ class Client(NATS):
     Its flush() also means what it says: the server has every command sent
     before it (nats.py's PING could overtake them; see ``_send_ping``).
 
+    Its requests cost less: each reply inbox ends in a counter (the inbox's
+    prefix is already this connection's own random one, where nats.py draws
+    fresh random bytes per request) and the wait is one timer, not
+    ``asyncio.wait_for``; its JetStream context reads acknowledgements with
+    orjson (:class:`JetStream`). A router and a worker make four requests per
+    call (``docs/benchmarks.md``: the stack).
+
     It uses nats.py's internals (``tests/lib/test_bus_client.py`` checks them
     against the version installed); everything else is nats.py's own.
     """
@@ -91,6 +103,44 @@ class Client(NATS):
         # sid -> handler; nats.py's own handler of request replies, a coroutine
         # that awaits nothing, is awaited in place
         self._at_once: dict[int, Callable[[Msg], Awaitable[None] | None]] = {}
+        self._reply_prefix = ""  # the request inbox's prefix, as a str
+        self._tokens = itertools.count()
+
+    def jetstream(self, **opts: Any) -> JetStream:
+        return JetStream(self, **opts)
+
+    async def request(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        timeout: float = 0.5,
+        old_style: bool = False,
+        headers: dict[str, Any] | None = None,
+    ) -> Msg:
+        """nats.py's request, answered through the same inbox, at less cost (class docs)."""
+        if old_style:
+            return await super().request(subject, payload, timeout, old_style, headers)
+        if self.is_draining_pubs:
+            raise nats.errors.ConnectionDrainingError
+        if not self._resp_sub_prefix:
+            await self._init_request_sub()
+        # nats.py's reply handler finds the request by what follows the prefix
+        token = str(next(self._tokens))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Msg] = loop.create_future()
+        self._resp_map[token] = future
+        try:
+            await self.publish(subject, payload, reply=self._reply_prefix + token, headers=headers)
+            timer = loop.call_later(timeout, _time_out, future)
+            try:
+                msg = await future
+            finally:
+                timer.cancel()
+        finally:
+            self._resp_map.pop(token, None)
+        if msg.headers and msg.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
+            raise nats.errors.NoRespondersError
+        return msg
 
     def handle_at_once(self, sub: Subscription, handler: Callable[[Msg], None]) -> None:
         """Run ``handler`` in the reader for each message of ``sub`` (see the class's docs)."""
@@ -132,9 +182,56 @@ class Client(NATS):
 
     async def _init_request_sub(self) -> None:
         await super()._init_request_sub()
+        assert self._resp_sub_prefix is not None
+        self._reply_prefix = self._resp_sub_prefix.decode()
         for sub in self._subs.values():
             if sub._cb == self._request_sub_callback:
                 self._at_once[sub._id] = self._request_sub_callback
+
+
+def _time_out(future: asyncio.Future[Msg]) -> None:
+    if not future.done():
+        future.set_exception(nats.errors.TimeoutError())
+
+
+class JetStream(JetStreamContext):
+    """nats.py's JetStream context; a publish reads its acknowledgement with orjson."""
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        timeout: float | None = None,
+        stream: str | None = None,
+        headers: dict[str, Any] | None = None,
+        msg_ttl: float | None = None,
+    ) -> PubAck:
+        if stream is not None or msg_ttl is not None:
+            return await super().publish(subject, payload, timeout, stream, headers, msg_ttl)
+        try:
+            msg = await self._nc.request(
+                subject,
+                payload,
+                timeout=self._timeout if timeout is None else timeout,
+                headers=headers,
+            )
+        except nats.errors.NoRespondersError:
+            raise nats.js.errors.NoStreamResponseError from None
+        resp = orjson.loads(msg.data)
+        if "error" in resp:
+            raise nats.js.errors.APIError.from_error(resp["error"])
+        if resp.keys() <= _PLAIN_ACK:
+            return PubAck(
+                stream=resp["stream"],
+                seq=resp["seq"],
+                domain=resp.get("domain"),
+                duplicate=resp.get("duplicate"),
+            )
+        return PubAck.from_response(resp)
+
+
+# what the acknowledgement of a plain publish holds (no batch, no counter)
+_PLAIN_ACK = frozenset({"stream", "seq", "domain", "duplicate"})
 
 
 async def subscribe_at_once(nc: NATS, subject: str, handler: Callable[[Msg], None]) -> Subscription:
