@@ -61,7 +61,11 @@ _ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})
 
 
 async def _read_body(request: web.Request) -> bytes:
-    if request.content_type != "application/json":
+    # the header as SDKs send it is taken as it is; any other is parsed
+    if (
+        request.headers.get("Content-Type") != "application/json"
+        and request.content_type != "application/json"
+    ):
         raise UnsupportedMediaType("Content-Type must be application/json.")
     if request.headers.get("Content-Encoding", "").strip().lower() not in _ENCODINGS:
         raise UnsupportedMediaType(

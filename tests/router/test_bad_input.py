@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.conftest import SIM_MODEL
@@ -94,6 +95,17 @@ def test_json_that_is_not_an_object(post: Post, router_url: str) -> None:
 def test_wrong_content_type(post: Post, router_url: str) -> None:
     r = post(CHAT, content=b"model=x", headers={"content-type": "text/plain"})
     assert assert_openai_error(r, 415)["code"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON"]
+)
+def test_a_json_content_type_is_accepted_in_any_form(
+    post: Post, sim_workers: None, content_type: str
+) -> None:
+    body = orjson.dumps({**GOOD, "max_tokens": 1})
+    r = post(CHAT, content=body, headers={"content-type": content_type})
+    assert r.status_code == 200, r.text
 
 
 def test_body_over_the_limit(post: Post, router_url: str) -> None:
