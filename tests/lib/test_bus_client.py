@@ -205,6 +205,58 @@ async def test_a_cancelled_request_leaves_nothing_behind_and_its_late_reply_is_d
         await responder.close()
 
 
+async def test_requests_made_while_the_inbox_is_being_subscribed_get_their_replies(
+    nats_server: NatsServer,
+) -> None:
+    # nats.py names the requests' inbox, then subscribes it; the subscribe
+    # waits while more than its pending limit (2 MiB) is queued to be sent,
+    # so the requests made meanwhile find the inbox named but not subscribed.
+    nc = await nats_server.connect()
+    responder = await nats_server.connect()
+    replied_to: list[str] = []
+
+    async def echo(msg: Msg) -> None:
+        replied_to.append(msg.reply)
+        await msg.respond(b"re:" + msg.data)
+
+    try:
+        await responder.subscribe("tg.test.first", cb=echo)
+        await responder.flush()
+        big = b"x" * (1536 * 1024)
+        sends = [asyncio.create_task(nc.publish("tg.test.sink", big)) for _ in range(2)]
+        replies = await asyncio.gather(
+            *(nc.request("tg.test.first", str(i).encode(), timeout=5) for i in range(3))
+        )
+        await asyncio.gather(*sends)
+        assert [r.data for r in replies] == [b"re:0", b"re:1", b"re:2"]
+        assert nc._resp_sub_prefix is not None
+        inbox = nc._resp_sub_prefix.decode()
+        assert len(replied_to) == 3 and all(r.startswith(inbox) for r in replied_to)
+        assert not nc._resp_map
+    finally:
+        await nc.close()
+        await responder.close()
+
+
+async def test_a_request_without_a_timeout_waits_for_its_reply(nats_server: NatsServer) -> None:
+    nc = await nats_server.connect()
+    responder = await nats_server.connect()
+    held: list[Msg] = []
+    try:
+        await responder.subscribe("tg.test.patient", cb=_keep(held))
+        await responder.flush()
+        waiting = asyncio.create_task(nc.request("tg.test.patient", b"x", timeout=None))
+        await eventually(lambda: len(held) == 1)
+        await asyncio.sleep(0.7)  # past the default timeout (0.5 s)
+        assert not waiting.done()
+        await held[0].respond(b"at last")
+        assert (await waiting).data == b"at last"
+        assert not nc._resp_map
+    finally:
+        await nc.close()
+        await responder.close()
+
+
 async def test_jetstream_publishes_are_acknowledged_as_nats_py_acknowledges_them(
     nats_server: NatsServer,
 ) -> None:

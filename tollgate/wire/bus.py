@@ -9,7 +9,7 @@ import logging
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import nats
 import nats.js.errors
@@ -103,7 +103,6 @@ class Client(NATS):
         # sid -> handler; nats.py's own handler of request replies, a coroutine
         # that awaits nothing, is awaited in place
         self._at_once: dict[int, Callable[[Msg], Awaitable[None] | None]] = {}
-        self._reply_prefix = ""  # the request inbox's prefix, as a str
         self._tokens = itertools.count()
 
     def jetstream(self, **opts: Any) -> JetStream:
@@ -113,29 +112,40 @@ class Client(NATS):
         self,
         subject: str,
         payload: bytes = b"",
-        timeout: float = 0.5,
+        timeout: float | None = 0.5,
         old_style: bool = False,
         headers: dict[str, Any] | None = None,
     ) -> Msg:
-        """nats.py's request, answered through the same inbox, at less cost (class docs)."""
+        """nats.py's request, answered through the same inbox, at less cost (class docs).
+
+        ``timeout`` None waits for the reply as long as it takes, as nats.py's does.
+        """
         if old_style:
-            return await super().request(subject, payload, timeout, old_style, headers)
+            # nats.py's own waits without a limit on None too (its type says float)
+            wait = cast(float, timeout)
+            return await super().request(subject, payload, wait, old_style, headers)
         if self.is_draining_pubs:
             raise nats.errors.ConnectionDrainingError
         if not self._resp_sub_prefix:
             await self._init_request_sub()
+        # The prefix is read at each request: nats.py sets it before it
+        # subscribes the inbox, so a request made while the first one's
+        # subscribe is still on its way already has it.
+        assert self._resp_sub_prefix is not None
         # nats.py's reply handler finds the request by what follows the prefix
         token = str(next(self._tokens))
+        reply = self._resp_sub_prefix.decode() + token
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Msg] = loop.create_future()
         self._resp_map[token] = future
         try:
-            await self.publish(subject, payload, reply=self._reply_prefix + token, headers=headers)
-            timer = loop.call_later(timeout, _time_out, future)
+            await self.publish(subject, payload, reply=reply, headers=headers)
+            timer = loop.call_later(timeout, _time_out, future) if timeout is not None else None
             try:
                 msg = await future
             finally:
-                timer.cancel()
+                if timer is not None:
+                    timer.cancel()
         finally:
             self._resp_map.pop(token, None)
         if msg.headers and msg.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
@@ -182,8 +192,6 @@ class Client(NATS):
 
     async def _init_request_sub(self) -> None:
         await super()._init_request_sub()
-        assert self._resp_sub_prefix is not None
-        self._reply_prefix = self._resp_sub_prefix.decode()
         for sub in self._subs.values():
             if sub._cb == self._request_sub_callback:
                 self._at_once[sub._id] = self._request_sub_callback
