@@ -13,6 +13,7 @@ speaks TLS; the reconnect test runs its own.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -233,6 +234,37 @@ async def test_requests_made_while_the_inbox_is_being_subscribed_get_their_repli
         inbox = nc._resp_sub_prefix.decode()
         assert len(replied_to) == 3 and all(r.startswith(inbox) for r in replied_to)
         assert not nc._resp_map
+    finally:
+        await nc.close()
+        await responder.close()
+
+
+async def test_reply_tokens_cannot_be_foretold_from_earlier_ones(nats_server: NatsServer) -> None:
+    # A service that answers some of this one's requests sees their reply
+    # subjects and may publish into the inbox; the tokens of the others must
+    # not follow from what it saw (more requests than one batch of random bytes).
+    nc = await nats_server.connect()
+    responder = await nats_server.connect()
+    replied_to: list[str] = []
+
+    async def echo(msg: Msg) -> None:
+        replied_to.append(msg.reply)
+        await msg.respond(b"ok")
+
+    try:
+        await responder.subscribe("tg.test.tokens", cb=echo)
+        await responder.flush()
+        for _ in range(3):
+            await asyncio.gather(*(nc.request("tg.test.tokens", timeout=5) for _ in range(100)))
+        assert nc._resp_sub_prefix is not None
+        inbox = nc._resp_sub_prefix.decode()
+        tokens = [reply.removeprefix(inbox) for reply in replied_to]
+        assert len(tokens) == 300 and len(set(tokens)) == 300
+        randoms = [int(token[: bus.TOKEN_RANDOM_HEX], 16) for token in tokens]
+        assert all(len(token) > bus.TOKEN_RANDOM_HEX for token in tokens)
+        assert len(set(randoms)) == 300
+        steps = {b - a for a, b in itertools.pairwise(randoms)}
+        assert len(steps) > 250  # no counter, no fixed stride
     finally:
         await nc.close()
         await responder.close()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ from nats.js.api import Header, PubAck
 MAX_PAYLOAD = 8 * 1024 * 1024
 # Room a request's envelope and headers take beside the client's body.
 ENVELOPE_ROOM = 64 * 1024
+# A request's reply token: this many random hex digits, then a counter.
+TOKEN_RANDOM_HEX = 16
+# Random bytes drawn at once for the tokens (one syscall per 256 requests).
+_TOKEN_BATCH_BYTES = 2048
 
 log = logging.getLogger("tollgate.wire.bus")
 
@@ -87,12 +92,15 @@ class Client(NATS):
     Its flush() also means what it says: the server has every command sent
     before it (nats.py's PING could overtake them; see ``_send_ping``).
 
-    Its requests cost less: each reply inbox ends in a counter (the inbox's
-    prefix is already this connection's own random one, where nats.py draws
-    fresh random bytes per request) and the wait is one timer, not
-    ``asyncio.wait_for``; its JetStream context reads acknowledgements with
-    orjson (:class:`JetStream`). A router and a worker make four requests per
-    call (``docs/benchmarks.md``: the stack).
+    Its requests cost less: the random part of each reply token is cut from
+    random bytes drawn a batch at a time (nats.py draws them per request,
+    a syscall each) and the wait is one timer, not ``asyncio.wait_for``; its
+    JetStream context reads acknowledgements with orjson (:class:`JetStream`).
+    A router and a worker make four requests per call (``docs/benchmarks.md``:
+    the stack). A token stays unguessable: a service that may answer some of
+    this one's requests (metering answers auth's invoice requests) sees the
+    inbox's prefix, and may publish into it, but cannot aim a forged reply at
+    another request (a KV write's or a publish's acknowledgement).
 
     It uses nats.py's internals (``tests/lib/test_bus_client.py`` checks them
     against the version installed); everything else is nats.py's own.
@@ -104,6 +112,8 @@ class Client(NATS):
         # that awaits nothing, is awaited in place
         self._at_once: dict[int, Callable[[Msg], Awaitable[None] | None]] = {}
         self._tokens = itertools.count()
+        self._random_hex = ""
+        self._random_at = 0
 
     def jetstream(self, **opts: Any) -> JetStream:
         return JetStream(self, **opts)
@@ -133,7 +143,7 @@ class Client(NATS):
         # subscribe is still on its way already has it.
         assert self._resp_sub_prefix is not None
         # nats.py's reply handler finds the request by what follows the prefix
-        token = str(next(self._tokens))
+        token = self._token()
         reply = self._resp_sub_prefix.decode() + token
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Msg] = loop.create_future()
@@ -151,6 +161,14 @@ class Client(NATS):
         if msg.headers and msg.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
             raise nats.errors.NoRespondersError
         return msg
+
+    def _token(self) -> str:
+        """A reply token: random (unguessable), then a counter (unique on this connection)."""
+        at = self._random_at
+        if at + TOKEN_RANDOM_HEX > len(self._random_hex):
+            self._random_hex, at = os.urandom(_TOKEN_BATCH_BYTES).hex(), 0
+        self._random_at = at + TOKEN_RANDOM_HEX
+        return self._random_hex[at : at + TOKEN_RANDOM_HEX] + str(next(self._tokens))
 
     def handle_at_once(self, sub: Subscription, handler: Callable[[Msg], None]) -> None:
         """Run ``handler`` in the reader for each message of ``sub`` (see the class's docs)."""
