@@ -182,7 +182,12 @@ class Stack:
             "instance": self.instance,
             "children": {c.name: c.proc.pid for c in self.children if c.proc is not None},
         }
-        (self.var / "up.json").write_text(json.dumps(info))
+        # written whole, then renamed: a reader (a later instance, the soak)
+        # never meets it half-written while a restarted child is recorded
+        path = self.var / "up.json"
+        partial = path.with_name("up.json.partial")
+        partial.write_text(json.dumps(info))
+        os.replace(partial, path)
 
     def _stop_stale(self, out: IO[str] | None) -> list[ProcessInfo]:
         """Stop what an earlier instance from this var dir left running."""
