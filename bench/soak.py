@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -109,6 +110,10 @@ SHORT_FAULTS = [
     "metering_sigkill",
     "supervisor_kill9",
 ]
+
+
+class SoakFailed(Exception):
+    """The run could not reach its report; the message holds the stack's own account."""
 
 
 @dataclass
@@ -535,7 +540,8 @@ class Soak:
             try:
                 await self.inject(name)
             except Exception as exc:
-                self.problems.append(f"the stack did not recover from {name}: {exc!r}")
+                where = "".join(traceback.format_exception(exc, limit=-2)).strip()
+                self.problems.append(f"the stack did not recover from {name}: {where}")
                 self.injected[-1].end = time.monotonic()
                 return
         while time.monotonic() < self.t_start + duration:
@@ -572,7 +578,13 @@ class Soak:
                     self.stop_load.set()
                     await asyncio.gather(*clients, sampler, return_exceptions=True)
             self.say(f"load stopped: {len(self.calls)} calls")
-            rows = await self.settled_rows()
+            try:
+                rows = await self.settled_rows()
+            except Exception as exc:
+                raise SoakFailed(
+                    f"the run's usage rows could not be read: {exc!r}\n"
+                    f"problems so far: {self.problems}\n{self.stack_story()}"
+                ) from exc
         finally:
             self.stop_stack()
         # what the run saw, for a closer look (files of the run)
@@ -588,6 +600,8 @@ class Soak:
         if report["orphans"]:
             self.problems.append(f"processes left behind: {report['orphans']}")
         report["problems"] = self.problems
+        if self.problems:
+            report["stack_story"] = self.stack_story()
         return report
 
     async def settled_rows(self, timeout: float = 180) -> dict[str, tuple[Any, ...]]:
@@ -694,6 +708,24 @@ class Soak:
             if left:
                 return False
         return True
+
+    def stack_story(self, lines: int = 25) -> str:
+        """What the supervisor said of its children, and the last lines of the
+        logs of those it restarted: a failed run's evidence, kept in its report."""
+        said: list[str] = []
+        restarted: set[str] = set()
+        for path in sorted(self.workdir.glob("up-*.log")):
+            for line in path.read_text(errors="replace").splitlines():
+                if " exited (" in line:
+                    said.append(f"{path.name}: {line}")
+                    restarted.add(line.split(" exited (", 1)[0])
+        parts = ["the supervisor restarted: " + ("; ".join(said) or "nothing")]
+        for name in sorted(restarted | {"metering"}):
+            log = self.var / "logs" / f"{name}.log"
+            with contextlib.suppress(OSError):
+                tail = log.read_text(errors="replace").splitlines()[-lines:]
+                parts.append(f"the last lines of {log.name}:\n  " + "\n  ".join(tail))
+        return "\n".join(parts)
 
     def stop_stack(self) -> None:
         if self.up is None or self.up.poll() is not None:

@@ -35,7 +35,7 @@ async def test_a_short_soak_with_faults_keeps_every_invariant(
             "lost_report_examples",
         )
     }
-    assert report["problems"] == [], (report["problems"], examples)
+    assert report["problems"] == [], (report["problems"], examples, report.get("stack_story"))
     # the figures behind "no problems", stated once more so a failure reads plainly
     assert report["accepted"] > 500
     assert report["missing_rows"] == 0, report["missing_examples"]
