@@ -215,13 +215,8 @@ async def test_requests_made_while_the_inbox_is_being_subscribed_get_their_repli
     nc = await nats_server.connect()
     responder = await nats_server.connect()
     replied_to: list[str] = []
-
-    async def echo(msg: Msg) -> None:
-        replied_to.append(msg.reply)
-        await msg.respond(b"re:" + msg.data)
-
     try:
-        await responder.subscribe("tg.test.first", cb=echo)
+        await responder.subscribe("tg.test.first", cb=_echo(replied_to))
         await responder.flush()
         big = b"x" * (1536 * 1024)
         sends = [asyncio.create_task(nc.publish("tg.test.sink", big)) for _ in range(2)]
@@ -246,13 +241,8 @@ async def test_reply_tokens_cannot_be_foretold_from_earlier_ones(nats_server: Na
     nc = await nats_server.connect()
     responder = await nats_server.connect()
     replied_to: list[str] = []
-
-    async def echo(msg: Msg) -> None:
-        replied_to.append(msg.reply)
-        await msg.respond(b"ok")
-
     try:
-        await responder.subscribe("tg.test.tokens", cb=echo)
+        await responder.subscribe("tg.test.tokens", cb=_echo(replied_to))
         await responder.flush()
         for _ in range(3):
             await asyncio.gather(*(nc.request("tg.test.tokens", timeout=5) for _ in range(100)))
@@ -327,6 +317,16 @@ def _keep(into: list[Msg]) -> Callable[[Msg], Awaitable[None]]:
         into.append(msg)
 
     return keep
+
+
+def _echo(replied_to: list[str]) -> Callable[[Msg], Awaitable[None]]:
+    """A responder that answers ``re:<data>`` and notes each request's reply subject."""
+
+    async def echo(msg: Msg) -> None:
+        replied_to.append(msg.reply)
+        await msg.respond(b"re:" + msg.data)
+
+    return echo
 
 
 async def test_another_client_runs_the_handler_in_the_subscriptions_task(
