@@ -125,6 +125,19 @@ def p95(values: list[float]) -> float:
     return ordered[max(0, round(0.95 * len(ordered)) - 1)]
 
 
+def assert_waited_at_most_for_a_slot(alone: list[float], beside: list[float]) -> None:
+    """Calls beside a backlog waited at most for the next free slot.
+
+    A slot is freed when a running call ends, so the next one is at most a
+    whole call away (when the running calls began together), and usually a
+    fraction of one: the typical call takes little longer than alone, none
+    longer than alone plus one call. Behind the backlog (first come, first
+    served) each would wait for many calls.
+    """
+    assert sorted(beside)[len(beside) // 2] <= 1.2 * p95(alone), (alone, beside)
+    assert max(beside) <= 2 * p95(alone), (alone, beside)
+
+
 @pytest.fixture
 async def fair_worker(stack: Stack) -> AsyncIterator[Service]:
     worker = stack.worker(FAIR_MODEL)
@@ -164,7 +177,7 @@ async def test_a_quiet_tenant_keeps_its_latency_beside_a_noisy_one_and_fifo_star
         await until(lambda: _empty(stack))
         worker.stop(timeout=30)
     # Fair share: the quiet tenant waits at most for the next free slot.
-    assert p95(shared) <= 1.2 * p95(alone), (alone, shared)
+    assert_waited_at_most_for_a_slot(alone, shared)
     # First come, first served: it waits behind the noisy tenant's backlog.
     assert min(fifo) > 2 * p95(alone), (alone, fifo)
 
@@ -186,7 +199,7 @@ async def test_batch_work_yields_to_interactive(
             await backlog(stack, NOISY_CONCURRENCY - 2 * SLOTS)
             interactive = await quiet_latencies(http, router_url, key, 6)
         await until(lambda: _empty(stack))
-    assert p95(interactive) <= 1.2 * p95(alone), (alone, interactive)
+    assert_waited_at_most_for_a_slot(alone, interactive)
     assert batch.statuses.count(200) > 0  # batch work still ran on free capacity
     assert set(batch.statuses) <= {200}, batch.statuses
 
